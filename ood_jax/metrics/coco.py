@@ -26,140 +26,192 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl",
-              "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
+STAT_NAMES = (
+    "AP",
+    "AP50",
+    "AP75",
+    "APs",
+    "APm",
+    "APl",
+    "AR1",
+    "AR10",
+    "AR100",
+    "ARs",
+    "ARm",
+    "ARl",
+)
 
 IOU_THRESHOLDS = np.linspace(0.5, 0.95, int(np.round((0.95 - 0.5) / 0.05)) + 1, endpoint=True)
 RECALL_THRESHOLDS = np.linspace(0.0, 1.00, int(np.round((1.00 - 0.0) / 0.01)) + 1, endpoint=True)
 MAX_DETS = (1, 10, 100)
-AREA_RANGES = {"all": (0.0, 1e5**2), "small": (0.0, 32.0**2),
-               "medium": (32.0**2, 96.0**2), "large": (96.0**2, 1e5**2)}
+AREA_RANGES = {
+    "all": (0.0, 1e5**2),
+    "small": (0.0, 32.0**2),
+    "medium": (32.0**2, 96.0**2),
+    "large": (96.0**2, 1e5**2),
+}
 _AREA_LO = np.array([lo for lo, _ in AREA_RANGES.values()])
 _AREA_HI = np.array([hi for _, hi in AREA_RANGES.values()])
 
 
 @dataclasses.dataclass(frozen=True)
 class GroundTruth:
-  """A COCO ground-truth file as arrays; parse once, evaluate many times."""
-  image_ids: np.ndarray       # [I] sorted unique image ids
-  category_ids: np.ndarray    # [K] sorted unique category ids
-  category_names: tuple[str, ...]
-  # Annotations ordered by (image, category) group, file order inside a group.
-  image_index: np.ndarray     # [G]
-  category_index: np.ndarray  # [G]
-  boxes: np.ndarray           # [G, 4] absolute xywh, float64
-  area: np.ndarray            # [G] the annotation's `area` field
-  is_crowd: np.ndarray        # [G] bool
-  annotation_ids: np.ndarray  # [G]
+    """A COCO ground-truth file as arrays; parse once, evaluate many times."""
 
-  @classmethod
-  def from_coco(cls, gt: Mapping[str, Any]) -> "GroundTruth":
-    for field in ("images", "annotations", "categories"):
-      if field not in gt:
-        raise ValueError(f"ground truth has no '{field}' list")
-    image_ids = np.unique(np.array([im["id"] for im in gt["images"]], dtype=np.int64))
-    categories = sorted(gt["categories"], key=operator.itemgetter("id"))
-    category_ids = np.array([c["id"] for c in categories], dtype=np.int64)
-    if len(np.unique(category_ids)) != len(category_ids):
-      raise ValueError("ground truth lists a category id twice")
-    anns = gt["annotations"]
-    n = len(anns)
-    try:
-      ann_image = np.fromiter((a["image_id"] for a in anns), np.int64, n)
-      ann_category = np.fromiter((a["category_id"] for a in anns), np.int64, n)
-      boxes = _boxes_array([a["bbox"] for a in anns], "annotation")
-      area = np.fromiter((a.get("area", a["bbox"][2] * a["bbox"][3]) for a in anns), np.float64, n)
-      crowd = np.fromiter((bool(a.get("iscrowd", 0)) for a in anns), bool, n)
-      ann_ids = np.fromiter((a["id"] for a in anns), np.int64, n)
-    except (KeyError, TypeError) as e:
-      index = next(i for i, a in enumerate(anns) if not _has_fields(a, ("image_id", "category_id", "bbox", "id")))
-      raise ValueError(f"annotation {index}: missing or malformed field ({e!r})") from None
-    image_index = _index_of(ann_image, image_ids, "annotation", "image_id")
-    category_index = _index_of(ann_category, category_ids, "annotation", "category_id")
-    _check_finite_positive(boxes, "annotation", area)
-    order = np.argsort(image_index * len(category_ids) + category_index, kind="stable")
-    return cls(
-        image_ids=image_ids, category_ids=category_ids,
-        category_names=tuple(str(c.get("name", c["id"])) for c in categories),
-        image_index=image_index[order], category_index=category_index[order],
-        boxes=boxes[order], area=area[order], is_crowd=crowd[order], annotation_ids=ann_ids[order])
+    image_ids: np.ndarray  # [I] sorted unique image ids
+    category_ids: np.ndarray  # [K] sorted unique category ids
+    category_names: tuple[str, ...]
+    # Annotations ordered by (image, category) group, file order inside a group.
+    image_index: np.ndarray  # [G]
+    category_index: np.ndarray  # [G]
+    boxes: np.ndarray  # [G, 4] absolute xywh, float64
+    area: np.ndarray  # [G] the annotation's `area` field
+    is_crowd: np.ndarray  # [G] bool
+    annotation_ids: np.ndarray  # [G]
 
-  @property
-  def group_key(self) -> np.ndarray:
-    return self.image_index * len(self.category_ids) + self.category_index
+    @classmethod
+    def from_coco(cls, gt: Mapping[str, Any]) -> "GroundTruth":
+        for field in ("images", "annotations", "categories"):
+            if field not in gt:
+                raise ValueError(f"ground truth has no '{field}' list")
+        image_ids = np.unique(np.array([im["id"] for im in gt["images"]], dtype=np.int64))
+        categories = sorted(gt["categories"], key=operator.itemgetter("id"))
+        category_ids = np.array([c["id"] for c in categories], dtype=np.int64)
+        if len(np.unique(category_ids)) != len(category_ids):
+            raise ValueError("ground truth lists a category id twice")
+        anns = gt["annotations"]
+        n = len(anns)
+        try:
+            ann_image = np.fromiter((a["image_id"] for a in anns), np.int64, n)
+            ann_category = np.fromiter((a["category_id"] for a in anns), np.int64, n)
+            boxes = _boxes_array([a["bbox"] for a in anns], "annotation")
+            area = np.fromiter(
+                (a.get("area", a["bbox"][2] * a["bbox"][3]) for a in anns), np.float64, n
+            )
+            crowd = np.fromiter((bool(a.get("iscrowd", 0)) for a in anns), bool, n)
+            ann_ids = np.fromiter((a["id"] for a in anns), np.int64, n)
+        except (KeyError, TypeError) as e:
+            index = next(
+                i
+                for i, a in enumerate(anns)
+                if not _has_fields(a, ("image_id", "category_id", "bbox", "id"))
+            )
+            raise ValueError(f"annotation {index}: missing or malformed field ({e!r})") from None
+        image_index = _index_of(ann_image, image_ids, "annotation", "image_id")
+        category_index = _index_of(ann_category, category_ids, "annotation", "category_id")
+        _check_finite_positive(boxes, "annotation", area)
+        order = np.argsort(image_index * len(category_ids) + category_index, kind="stable")
+        return cls(
+            image_ids=image_ids,
+            category_ids=category_ids,
+            category_names=tuple(str(c.get("name", c["id"])) for c in categories),
+            image_index=image_index[order],
+            category_index=category_index[order],
+            boxes=boxes[order],
+            area=area[order],
+            is_crowd=crowd[order],
+            annotation_ids=ann_ids[order],
+        )
+
+    @property
+    def group_key(self) -> np.ndarray:
+        return self.image_index * len(self.category_ids) + self.category_index
 
 
 @dataclasses.dataclass(frozen=True)
 class CocoEvalResult:
-  stats: dict[str, float]
-  per_category_ap: dict[int, float]  # category id -> AP@[.5:.95], -1 without ground truth
-  precision: np.ndarray  # [T, R, K, A] at maxDets=100 (pycocotools' eval['precision'][..., -1])
-  recall: np.ndarray     # [T, K, A, M]
-  category_names: tuple[str, ...] = ()
+    stats: dict[str, float]
+    per_category_ap: dict[int, float]  # category id -> AP@[.5:.95], -1 without ground truth
+    precision: np.ndarray  # [T, R, K, A] at maxDets=100 (pycocotools' eval['precision'][..., -1])
+    recall: np.ndarray  # [T, K, A, M]
+    category_names: tuple[str, ...] = ()
 
-  def table(self) -> str:
-    return format_table(self.stats)
-
-
-def evaluate(gt: Mapping[str, Any] | GroundTruth, detections: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-  """The twelve COCO bbox numbers, keyed by `STAT_NAMES`, equal to pycocotools'."""
-  return evaluate_detailed(gt, detections).stats
+    def table(self) -> str:
+        return format_table(self.stats)
 
 
-def evaluate_detailed(gt: Mapping[str, Any] | GroundTruth,
-                      detections: Sequence[Mapping[str, Any]]) -> CocoEvalResult:
-  gt = gt if isinstance(gt, GroundTruth) else GroundTruth.from_coco(gt)
-  n = len(detections)
-  try:
-    image_id = np.fromiter(map(operator.itemgetter("image_id"), detections), np.int64, n)
-    category_id = np.fromiter(map(operator.itemgetter("category_id"), detections), np.int64, n)
-    score = np.fromiter(map(operator.itemgetter("score"), detections), np.float64, n)
-  except (KeyError, TypeError, ValueError) as e:
-    index = next(i for i, d in enumerate(detections)
-                 if not _has_fields(d, ("image_id", "category_id", "score")))
-    raise ValueError(f"detection {index}: missing or malformed field ({e!r})") from None
-  boxes = _boxes_array(list(map(operator.itemgetter("bbox"), detections)), "detection")
-  return _evaluate(gt, image_id, category_id, boxes, score)
+def evaluate(
+    gt: Mapping[str, Any] | GroundTruth, detections: Sequence[Mapping[str, Any]]
+) -> dict[str, float]:
+    """The twelve COCO bbox numbers, keyed by `STAT_NAMES`, equal to pycocotools'."""
+    return evaluate_detailed(gt, detections).stats
 
 
-def evaluate_arrays(gt: Mapping[str, Any] | GroundTruth, image_ids, boxes, scores, labels,
-                    valid=None) -> CocoEvalResult:
-  """Evaluates padded model outputs without building detection dicts.
+def evaluate_detailed(
+    gt: Mapping[str, Any] | GroundTruth, detections: Sequence[Mapping[str, Any]]
+) -> CocoEvalResult:
+    gt = gt if isinstance(gt, GroundTruth) else GroundTruth.from_coco(gt)
+    n = len(detections)
+    try:
+        image_id = np.fromiter(map(operator.itemgetter("image_id"), detections), np.int64, n)
+        category_id = np.fromiter(map(operator.itemgetter("category_id"), detections), np.int64, n)
+        score = np.fromiter(map(operator.itemgetter("score"), detections), np.float64, n)
+    except (KeyError, TypeError, ValueError) as e:
+        index = next(
+            i
+            for i, d in enumerate(detections)
+            if not _has_fields(d, ("image_id", "category_id", "score"))
+        )
+        raise ValueError(f"detection {index}: missing or malformed field ({e!r})") from None
+    boxes = _boxes_array(list(map(operator.itemgetter("bbox"), detections)), "detection")
+    return _evaluate(gt, image_id, category_id, boxes, score)
 
-  Args:
-    gt: COCO ground truth (dict or parsed `GroundTruth`).
-    image_ids: [N] COCO image id of each row.
-    boxes: [N, Q, 4] absolute COCO [x, y, w, h].
-    scores: [N, Q].
-    labels: [N, Q] COCO category ids.
-    valid: optional [N, Q] bool; False entries are padding and not detections.
-  """
-  gt = gt if isinstance(gt, GroundTruth) else GroundTruth.from_coco(gt)
-  boxes = np.asarray(boxes, np.float64)
-  scores = np.asarray(scores, np.float64)
-  labels = np.asarray(labels, np.int64)
-  image_ids = np.asarray(image_ids, np.int64)
-  if boxes.ndim != 3 or boxes.shape[-1] != 4 or scores.shape != boxes.shape[:2] or labels.shape != scores.shape:
-    raise ValueError(f"expected boxes [N,Q,4], scores and labels [N,Q]; got {boxes.shape}, "
-                     f"{scores.shape}, {labels.shape}")
-  if image_ids.shape != scores.shape[:1]:
-    raise ValueError(f"image_ids has shape {image_ids.shape}, expected ({scores.shape[0]},)")
-  valid = np.ones(scores.shape, bool) if valid is None else np.asarray(valid, bool)
-  image_id = np.broadcast_to(image_ids[:, None], scores.shape)[valid]
-  return _evaluate(gt, image_id, labels[valid], boxes[valid], scores[valid])
+
+def evaluate_arrays(
+    gt: Mapping[str, Any] | GroundTruth, image_ids, boxes, scores, labels, valid=None
+) -> CocoEvalResult:
+    """Evaluates padded model outputs without building detection dicts.
+
+    Args:
+      gt: COCO ground truth (dict or parsed `GroundTruth`).
+      image_ids: [N] COCO image id of each row.
+      boxes: [N, Q, 4] absolute COCO [x, y, w, h].
+      scores: [N, Q].
+      labels: [N, Q] COCO category ids.
+      valid: optional [N, Q] bool; False entries are padding and not detections.
+    """
+    gt = gt if isinstance(gt, GroundTruth) else GroundTruth.from_coco(gt)
+    boxes = np.asarray(boxes, np.float64)
+    scores = np.asarray(scores, np.float64)
+    labels = np.asarray(labels, np.int64)
+    image_ids = np.asarray(image_ids, np.int64)
+    if (
+        boxes.ndim != 3
+        or boxes.shape[-1] != 4
+        or scores.shape != boxes.shape[:2]
+        or labels.shape != scores.shape
+    ):
+        raise ValueError(
+            f"expected boxes [N,Q,4], scores and labels [N,Q]; got {boxes.shape}, "
+            f"{scores.shape}, {labels.shape}"
+        )
+    if image_ids.shape != scores.shape[:1]:
+        raise ValueError(f"image_ids has shape {image_ids.shape}, expected ({scores.shape[0]},)")
+    valid = np.ones(scores.shape, bool) if valid is None else np.asarray(valid, bool)
+    image_id = np.broadcast_to(image_ids[:, None], scores.shape)[valid]
+    return _evaluate(gt, image_id, labels[valid], boxes[valid], scores[valid])
 
 
 def format_table(stats: Mapping[str, float]) -> str:
-  """The summary in pycocotools' layout."""
-  rows = [("Average Precision", "AP", "0.50:0.95", "all", 100), ("Average Precision", "AP", "0.50", "all", 100),
-          ("Average Precision", "AP", "0.75", "all", 100), ("Average Precision", "AP", "0.50:0.95", "small", 100),
-          ("Average Precision", "AP", "0.50:0.95", "medium", 100), ("Average Precision", "AP", "0.50:0.95", "large", 100),
-          ("Average Recall", "AR", "0.50:0.95", "all", 1), ("Average Recall", "AR", "0.50:0.95", "all", 10),
-          ("Average Recall", "AR", "0.50:0.95", "all", 100), ("Average Recall", "AR", "0.50:0.95", "small", 100),
-          ("Average Recall", "AR", "0.50:0.95", "medium", 100), ("Average Recall", "AR", "0.50:0.95", "large", 100)]
-  return "\n".join(
-      f" {title:<18} {f'({kind})':<6}@[ IoU={iou:<9} | area={area:>6s} | maxDets={dets:>3d} ] = {stats[name]:0.3f}"
-      for (title, kind, iou, area, dets), name in zip(rows, STAT_NAMES))
+    """The summary in pycocotools' layout."""
+    rows = [
+        ("Average Precision", "AP", "0.50:0.95", "all", 100),
+        ("Average Precision", "AP", "0.50", "all", 100),
+        ("Average Precision", "AP", "0.75", "all", 100),
+        ("Average Precision", "AP", "0.50:0.95", "small", 100),
+        ("Average Precision", "AP", "0.50:0.95", "medium", 100),
+        ("Average Precision", "AP", "0.50:0.95", "large", 100),
+        ("Average Recall", "AR", "0.50:0.95", "all", 1),
+        ("Average Recall", "AR", "0.50:0.95", "all", 10),
+        ("Average Recall", "AR", "0.50:0.95", "all", 100),
+        ("Average Recall", "AR", "0.50:0.95", "small", 100),
+        ("Average Recall", "AR", "0.50:0.95", "medium", 100),
+        ("Average Recall", "AR", "0.50:0.95", "large", 100),
+    ]
+    return "\n".join(
+        f" {title:<18} ({kind}) @[ IoU={iou:<9} | area={area:>6s} | maxDets={dets:>3d} ] = {stats[name]:0.3f}"
+        for (title, kind, iou, area, dets), name in zip(rows, STAT_NAMES)
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -167,38 +219,44 @@ def format_table(stats: Mapping[str, float]) -> str:
 
 
 def _has_fields(record, fields) -> bool:
-  return isinstance(record, Mapping) and all(f in record for f in fields)
+    return isinstance(record, Mapping) and all(f in record for f in fields)
 
 
 def _boxes_array(boxes: list, what: str) -> np.ndarray:
-  try:
-    array = np.array(boxes, dtype=np.float64).reshape(len(boxes), -1)
-  except (ValueError, TypeError):
-    array = None
-  if array is None or array.shape[1] != 4:
-    index = next((i for i, b in enumerate(boxes) if np.shape(b) != (4,)), 0)
-    raise ValueError(f"{what} {index}: bbox must be [x, y, w, h], got {boxes[index]!r}")
-  return array
+    try:
+        array = np.array(boxes, dtype=np.float64).reshape(len(boxes), -1)
+    except (ValueError, TypeError):
+        array = None
+    if array is None or array.shape[1] != 4:
+        index = next((i for i, b in enumerate(boxes) if np.shape(b) != (4,)), 0)
+        raise ValueError(f"{what} {index}: bbox must be [x, y, w, h], got {boxes[index]!r}")
+    return array
 
 
 def _index_of(ids: np.ndarray, known: np.ndarray, what: str, field: str) -> np.ndarray:
-  index = np.searchsorted(known, ids).clip(0, max(len(known) - 1, 0))
-  bad = np.flatnonzero(known[index] != ids) if len(known) else np.arange(len(ids))
-  if len(bad):
-    raise ValueError(f"{what} {bad[0]}: {field} {ids[bad[0]]} is not in the ground truth"
-                     f" ({len(bad)} {what}s affected)")
-  return index
+    index = np.searchsorted(known, ids).clip(0, max(len(known) - 1, 0))
+    bad = np.flatnonzero(known[index] != ids) if len(known) else np.arange(len(ids))
+    if len(bad):
+        raise ValueError(
+            f"{what} {bad[0]}: {field} {ids[bad[0]]} is not in the ground truth"
+            f" ({len(bad)} {what}s affected)"
+        )
+    return index
 
 
 def _check_finite_positive(boxes: np.ndarray, what: str, values: np.ndarray) -> None:
-  bad = np.flatnonzero(~np.isfinite(boxes).all(1) | ~np.isfinite(values))
-  if len(bad):
-    raise ValueError(f"{what} {bad[0]}: non-finite bbox or {'area' if what == 'annotation' else 'score'}"
-                     f" ({len(bad)} {what}s affected)")
-  bad = np.flatnonzero((boxes[:, 2] <= 0) | (boxes[:, 3] <= 0))
-  if len(bad):
-    raise ValueError(f"{what} {bad[0]}: bbox {boxes[bad[0]].tolist()} has non-positive width or height"
-                     f" ({len(bad)} {what}s affected)")
+    bad = np.flatnonzero(~np.isfinite(boxes).all(1) | ~np.isfinite(values))
+    if len(bad):
+        raise ValueError(
+            f"{what} {bad[0]}: non-finite bbox or {'area' if what == 'annotation' else 'score'}"
+            f" ({len(bad)} {what}s affected)"
+        )
+    bad = np.flatnonzero((boxes[:, 2] <= 0) | (boxes[:, 3] <= 0))
+    if len(bad):
+        raise ValueError(
+            f"{what} {bad[0]}: bbox {boxes[bad[0]].tolist()} has non-positive width or height"
+            f" ({len(bad)} {what}s affected)"
+        )
 
 
 # ----------------------------------------------------------------------------------------
@@ -206,221 +264,258 @@ def _check_finite_positive(boxes: np.ndarray, what: str, values: np.ndarray) -> 
 
 
 def _evaluate(gt: GroundTruth, image_id, category_id, boxes, score) -> CocoEvalResult:
-  image_index = _index_of(image_id, gt.image_ids, "detection", "image_id")
-  category_index = _index_of(category_id, gt.category_ids, "detection", "category_id")
-  _check_finite_positive(boxes, "detection", score)
+    image_index = _index_of(image_id, gt.image_ids, "detection", "image_id")
+    category_index = _index_of(category_id, gt.category_ids, "detection", "category_id")
+    _check_finite_positive(boxes, "detection", score)
 
-  num_categories = len(gt.category_ids)
-  num_t, num_a = len(IOU_THRESHOLDS), len(AREA_RANGES)
+    num_categories = len(gt.category_ids)
+    num_t, num_a = len(IOU_THRESHOLDS), len(AREA_RANGES)
 
-  # Detections in (group, descending score) order, stable for ties; keep maxDets[-1] per group.
-  key = image_index * num_categories + category_index
-  order = np.lexsort((-score, key))
-  key = key[order]
-  rank = np.arange(len(key)) - np.searchsorted(key, key, side="left")
-  within = rank < MAX_DETS[-1]
-  keep, rank, d_key = order[within], rank[within], key[within]
-  d_image, d_category = image_index[keep], category_index[keep]
-  d_boxes, d_score = boxes[keep], score[keep]
-  d_area = d_boxes[:, 2] * d_boxes[:, 3]
+    # Detections in (group, descending score) order, stable for ties; keep maxDets[-1] per group.
+    key = image_index * num_categories + category_index
+    order = np.lexsort((-score, key))
+    key = key[order]
+    rank = np.arange(len(key)) - np.searchsorted(key, key, side="left")
+    within = rank < MAX_DETS[-1]
+    keep, rank, d_key = order[within], rank[within], key[within]
+    d_image, d_category = image_index[keep], category_index[keep]
+    d_boxes, d_score = boxes[keep], score[keep]
+    d_area = d_boxes[:, 2] * d_boxes[:, 3]
 
-  g_ignore = gt.is_crowd[:, None] | (gt.area[:, None] < _AREA_LO) | (gt.area[:, None] > _AREA_HI)  # [G, A]
-  d_out_of_range = (d_area[:, None] < _AREA_LO) | (d_area[:, None] > _AREA_HI)                     # [D, A]
-  num_positive = np.zeros((num_categories, num_a), np.int64)  # pycocotools' npig
-  np.add.at(num_positive, gt.category_index, ~g_ignore)
+    g_ignore = (
+        gt.is_crowd[:, None] | (gt.area[:, None] < _AREA_LO) | (gt.area[:, None] > _AREA_HI)
+    )  # [G, A]
+    d_out_of_range = (d_area[:, None] < _AREA_LO) | (d_area[:, None] > _AREA_HI)  # [D, A]
+    num_positive = np.zeros((num_categories, num_a), np.int64)  # pycocotools' npig
+    np.add.at(num_positive, gt.category_index, ~g_ignore)
 
-  # pycocotools concatenates images in id order, each sorted by score, then sorts stably by
-  # score; the curves are built in that order, one segment per category.
-  acc_order = np.lexsort((rank, d_image, -d_score, d_category))
-  position = np.empty_like(acc_order)
-  position[acc_order] = np.arange(len(acc_order))
+    # pycocotools concatenates images in id order, each sorted by score, then sorts stably by
+    # score; the curves are built in that order, one segment per category.
+    acc_order = np.lexsort((rank, d_image, -d_score, d_category))
+    position = np.empty_like(acc_order)
+    position[acc_order] = np.arange(len(acc_order))
 
-  dets, match = _greedy_match(d_key, d_boxes, gt.group_key, gt.boxes, gt.is_crowd, g_ignore)
-  by_position = np.argsort(position[dets])
-  dets, match = dets[by_position], match[by_position]
-  has_match = match >= 0
-  matched_gt = np.where(has_match, match, 0)
-  if len(gt.annotation_ids):
-    # pycocotools records a match by the ground truth's id, so a match to id 0 reads as none.
-    matched = has_match & (gt.annotation_ids[matched_gt] != 0)
-    ignored = has_match & g_ignore[matched_gt, np.arange(num_a)]
-  else:
-    matched, ignored = has_match, np.zeros_like(has_match)
-  ignored |= ~matched & d_out_of_range[dets][:, None, :]
-  precision, recall = _accumulate(
-      num_positive, d_category[acc_order], rank[acc_order], d_out_of_range[acc_order],
-      position[dets], tp=matched & ~ignored, fp=~matched & ~ignored)
+    dets, match = _greedy_match(d_key, d_boxes, gt.group_key, gt.boxes, gt.is_crowd, g_ignore)
+    by_position = np.argsort(position[dets])
+    dets, match = dets[by_position], match[by_position]
+    has_match = match >= 0
+    matched_gt = np.where(has_match, match, 0)
+    if len(gt.annotation_ids):
+        # pycocotools records a match by the ground truth's id, so a match to id 0 reads as none.
+        matched = has_match & (gt.annotation_ids[matched_gt] != 0)
+        ignored = has_match & g_ignore[matched_gt, np.arange(num_a)]
+    else:
+        matched, ignored = has_match, np.zeros_like(has_match)
+    ignored |= ~matched & d_out_of_range[dets][:, None, :]
+    precision, recall = _accumulate(
+        num_positive,
+        d_category[acc_order],
+        rank[acc_order],
+        d_out_of_range[acc_order],
+        position[dets],
+        tp=matched & ~ignored,
+        fp=~matched & ~ignored,
+    )
 
-  stats = _summarize(precision, recall)
-  per_category = {}
-  for k, category in enumerate(gt.category_ids):
-    p = precision[:, :, k, 0]
-    per_category[int(category)] = float(np.mean(p[p > -1])) if (p > -1).any() else -1.0
-  return CocoEvalResult(stats=stats, per_category_ap=per_category, precision=precision,
-                        recall=recall, category_names=gt.category_names)
+    stats = _summarize(precision, recall)
+    per_category = {}
+    for k, category in enumerate(gt.category_ids):
+        p = precision[:, :, k, 0]
+        per_category[int(category)] = float(np.mean(p[p > -1])) if (p > -1).any() else -1.0
+    return CocoEvalResult(
+        stats=stats,
+        per_category_ap=per_category,
+        precision=precision,
+        recall=recall,
+        category_names=gt.category_names,
+    )
 
 
 def _pair_iou(d: np.ndarray, g: np.ndarray, crowd: np.ndarray) -> np.ndarray:
-  """IoU of aligned xywh pairs in pycocotools' bbIou arithmetic (same operations, same order)."""
-  w = np.minimum(d[:, 2] + d[:, 0], g[:, 2] + g[:, 0]) - np.maximum(d[:, 0], g[:, 0])
-  h = np.minimum(d[:, 3] + d[:, 1], g[:, 3] + g[:, 1]) - np.maximum(d[:, 1], g[:, 1])
-  inter = w * h
-  d_area = d[:, 2] * d[:, 3]
-  union = np.where(crowd, d_area, d_area + g[:, 2] * g[:, 3] - inter)
-  with np.errstate(invalid="ignore", divide="ignore"):
-    return np.where((w > 0) & (h > 0), inter / union, 0.0)
+    """IoU of aligned xywh pairs in pycocotools' bbIou arithmetic (same operations, same order)."""
+    w = np.minimum(d[:, 2] + d[:, 0], g[:, 2] + g[:, 0]) - np.maximum(d[:, 0], g[:, 0])
+    h = np.minimum(d[:, 3] + d[:, 1], g[:, 3] + g[:, 1]) - np.maximum(d[:, 1], g[:, 1])
+    inter = w * h
+    d_area = d[:, 2] * d[:, 3]
+    union = np.where(crowd, d_area, d_area + g[:, 2] * g[:, 3] - inter)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where((w > 0) & (h > 0), inter / union, 0.0)
 
 
 def _greedy_match(d_key, d_boxes, g_key, g_boxes, g_crowd, g_ignore) -> np.ndarray:
-  """pycocotools' evaluateImg matching for every group, threshold and area range at once.
+    """pycocotools' evaluateImg matching for every group, threshold and area range at once.
 
-  Detections arrive sorted by group and descending score. Returns the detections that overlap
-  some ground truth enough to match ([C] indices) and, for each of them, the matched ground
-  truth per threshold and area range ([C, T, A], -1 for none); all others match nothing.
-  """
-  num_t, num_a = len(IOU_THRESHOLDS), g_ignore.shape[1]
+    Detections arrive sorted by group and descending score. Returns the detections that overlap
+    some ground truth enough to match ([C] indices) and, for each of them, the matched ground
+    truth per threshold and area range ([C, T, A], -1 for none); all others match nothing.
+    """
+    num_t, num_a = len(IOU_THRESHOLDS), g_ignore.shape[1]
 
-  # All (detection, ground truth) pairs inside each group; ground truth in file order.
-  g_begin = np.searchsorted(g_key, d_key, side="left")
-  g_count = np.searchsorted(g_key, d_key, side="right") - g_begin
-  pair_det = np.repeat(np.arange(len(d_key)), g_count)
-  pair_gt = np.arange(len(pair_det)) - np.repeat(np.cumsum(g_count) - g_count, g_count) + np.repeat(g_begin, g_count)
-  iou = _pair_iou(d_boxes[pair_det], g_boxes[pair_gt], g_crowd[pair_gt])
+    # All (detection, ground truth) pairs inside each group; ground truth in file order.
+    g_begin = np.searchsorted(g_key, d_key, side="left")
+    g_count = np.searchsorted(g_key, d_key, side="right") - g_begin
+    pair_det = np.repeat(np.arange(len(d_key)), g_count)
+    pair_gt = (
+        np.arange(len(pair_det))
+        - np.repeat(np.cumsum(g_count) - g_count, g_count)
+        + np.repeat(g_begin, g_count)
+    )
+    iou = _pair_iou(d_boxes[pair_det], g_boxes[pair_gt], g_crowd[pair_gt])
 
-  # A pair below the lowest threshold can never match, so it cannot affect any other pair.
-  candidate = iou >= IOU_THRESHOLDS[0]
-  pair_det, pair_gt, iou = pair_det[candidate], pair_gt[candidate], iou[candidate]
-  dets = np.unique(pair_det)
-  match = -np.ones((len(dets), num_t, num_a), np.int64)
-  if not len(dets):
+    # A pair below the lowest threshold can never match, so it cannot affect any other pair.
+    candidate = iou >= IOU_THRESHOLDS[0]
+    pair_det, pair_gt, iou = pair_det[candidate], pair_gt[candidate], iou[candidate]
+    dets = np.unique(pair_det)
+    match = -np.ones((len(dets), num_t, num_a), np.int64)
+    if not len(dets):
+        return dets, match
+
+    # Step s handles the s-th detection (among those with candidate pairs) of every group.
+    step_of_det = np.arange(len(dets)) - np.searchsorted(d_key[dets], d_key[dets], side="left")
+    pair_step = step_of_det[np.searchsorted(dets, pair_det)]
+    by_step = np.argsort(pair_step, kind="stable")
+    pair_det, pair_gt, iou, pair_step = (
+        pair_det[by_step],
+        pair_gt[by_step],
+        iou[by_step],
+        pair_step[by_step],
+    )
+    step_bounds = np.searchsorted(pair_step, np.arange(pair_step[-1] + 2))
+
+    taken = np.zeros((len(g_key), num_t, num_a), bool)
+    thresholds = IOU_THRESHOLDS[None, :, None]
+    for s in range(len(step_bounds) - 1):
+        lo, hi = step_bounds[s], step_bounds[s + 1]
+        det, g, pair_iou = pair_det[lo:hi], pair_gt[lo:hi], iou[lo:hi, None, None]
+        first = np.flatnonzero(
+            np.r_[True, det[1:] != det[:-1]]
+        )  # each detection's pairs are contiguous
+        det_of_pair = np.cumsum(np.r_[True, det[1:] != det[:-1]]) - 1
+
+        eligible = (~taken[g] | g_crowd[g, None, None]) & (pair_iou >= thresholds)  # [P, T, A]
+        regular = eligible & ~g_ignore[g][:, None, :]
+        # Non-ignored ground truth wins over ignored; among the winners the highest IoU, and the
+        # last one in file order on a tie.
+        has_regular = np.logical_or.reduceat(regular, first, axis=0)
+        pool = regular | (eligible & ~has_regular[det_of_pair])
+        best = np.maximum.reduceat(np.where(pool, pair_iou, -1.0), first, axis=0)
+        winner = pool & (pair_iou == best[det_of_pair])
+        chosen = np.maximum.reduceat(
+            np.where(winner, np.arange(hi - lo)[:, None, None], -1), first, axis=0
+        )
+
+        d_i, t_i, a_i = np.nonzero(chosen >= 0)
+        chosen_gt = g[chosen[d_i, t_i, a_i]]
+        match[np.searchsorted(dets, det[first[d_i]]), t_i, a_i] = chosen_gt
+        taken[chosen_gt, t_i, a_i] = True
     return dets, match
-
-  # Step s handles the s-th detection (among those with candidate pairs) of every group.
-  step_of_det = np.arange(len(dets)) - np.searchsorted(d_key[dets], d_key[dets], side="left")
-  pair_step = step_of_det[np.searchsorted(dets, pair_det)]
-  by_step = np.argsort(pair_step, kind="stable")
-  pair_det, pair_gt, iou, pair_step = pair_det[by_step], pair_gt[by_step], iou[by_step], pair_step[by_step]
-  step_bounds = np.searchsorted(pair_step, np.arange(pair_step[-1] + 2))
-
-  taken = np.zeros((len(g_key), num_t, num_a), bool)
-  thresholds = IOU_THRESHOLDS[None, :, None]
-  for s in range(len(step_bounds) - 1):
-    lo, hi = step_bounds[s], step_bounds[s + 1]
-    det, g, pair_iou = pair_det[lo:hi], pair_gt[lo:hi], iou[lo:hi, None, None]
-    first = np.flatnonzero(np.r_[True, det[1:] != det[:-1]])  # each detection's pairs are contiguous
-    det_of_pair = np.cumsum(np.r_[True, det[1:] != det[:-1]]) - 1
-
-    eligible = (~taken[g] | g_crowd[g, None, None]) & (pair_iou >= thresholds)      # [P, T, A]
-    regular = eligible & ~g_ignore[g][:, None, :]
-    # Non-ignored ground truth wins over ignored; among the winners the highest IoU, and the
-    # last one in file order on a tie.
-    has_regular = np.logical_or.reduceat(regular, first, axis=0)
-    pool = regular | (eligible & ~has_regular[det_of_pair])
-    best = np.maximum.reduceat(np.where(pool, pair_iou, -1.0), first, axis=0)
-    winner = pool & (pair_iou == best[det_of_pair])
-    chosen = np.maximum.reduceat(np.where(winner, np.arange(hi - lo)[:, None, None], -1), first, axis=0)
-
-    d_i, t_i, a_i = np.nonzero(chosen >= 0)
-    chosen_gt = g[chosen[d_i, t_i, a_i]]
-    match[np.searchsorted(dets, det[first[d_i]]), t_i, a_i] = chosen_gt
-    taken[chosen_gt, t_i, a_i] = True
-  return dets, match
 
 
 def _recall_targets(num_positive: np.ndarray) -> np.ndarray:
-  """Smallest true-positive count v with v / npig >= each recall threshold, exactly as
-  pycocotools compares them. [..., R] for num_positive [...]."""
-  n = np.maximum(num_positive, 1)[..., None].astype(np.float64)
-  start = np.maximum(np.floor(RECALL_THRESHOLDS * n) - 1, 0)
-  window = start[..., None] + np.arange(4)
-  with np.errstate(invalid="ignore"):
-    below = (window / n[..., None]) < RECALL_THRESHOLDS[:, None]
-  return (start + below.sum(-1)).astype(np.int64)
+    """Smallest true-positive count v with v / npig >= each recall threshold, exactly as
+    pycocotools compares them. [..., R] for num_positive [...]."""
+    n = np.maximum(num_positive, 1)[..., None].astype(np.float64)
+    start = np.maximum(np.floor(RECALL_THRESHOLDS * n) - 1, 0)
+    window = start[..., None] + np.arange(4)
+    with np.errstate(invalid="ignore"):
+        below = (window / n[..., None]) < RECALL_THRESHOLDS[:, None]
+    return (start + below.sum(-1)).astype(np.int64)
 
 
 def _accumulate(num_positive, category, rank, out_of_range, cand_pos, tp, fp):
-  """pycocotools' accumulate: precision [T, R, K, A] at maxDets=100 and recall [T, K, A, M].
+    """pycocotools' accumulate: precision [T, R, K, A] at maxDets=100 and recall [T, K, A, M].
 
-  Detections come in accumulate order (category, descending score, image, rank): `category`,
-  `rank`, `out_of_range` ([D, A]) describe all of them. Only the candidates (those overlapping
-  some ground truth; positions `cand_pos`, ascending) can be true positives or ignored through
-  a match; `tp` and `fp` are their [C, T, A] outcomes. Every other detection is a false
-  positive unless it lies outside the area range.
+    Detections come in accumulate order (category, descending score, image, rank): `category`,
+    `rank`, `out_of_range` ([D, A]) describe all of them. Only the candidates (those overlapping
+    some ground truth; positions `cand_pos`, ascending) can be true positives or ignored through
+    a match; `tp` and `fp` are their [C, T, A] outcomes. Every other detection is a false
+    positive unless it lies outside the area range.
 
-  The interpolated precision at a recall threshold is the maximum precision at or after the
-  first detection reaching that recall. Precision only rises at true positives and a recall
-  level is first reached at one, so only true positives need precision values: the j-th
-  recall point of a curve is the suffix maximum from its need_j-th true positive.
-  """
-  num_k, num_a = num_positive.shape
-  num_t, num_r = len(IOU_THRESHOLDS), len(RECALL_THRESHOLDS)
+    The interpolated precision at a recall threshold is the maximum precision at or after the
+    first detection reaching that recall. Precision only rises at true positives and a recall
+    level is first reached at one, so only true positives need precision values: the j-th
+    recall point of a curve is the suffix maximum from its need_j-th true positive.
+    """
+    num_k, num_a = num_positive.shape
+    num_t, num_r = len(IOU_THRESHOLDS), len(RECALL_THRESHOLDS)
 
-  # Running false-positive counts: those of non-candidates plus a correction at candidates.
-  base_fp = ~out_of_range
-  base_cum = np.cumsum(base_fp, axis=0, dtype=np.int64)                            # [D, A]
-  delta_cum = np.cumsum(fp.astype(np.int64) - base_fp[cand_pos][:, None, :], axis=0)  # [C, T, A]
+    # Running false-positive counts: those of non-candidates plus a correction at candidates.
+    base_fp = ~out_of_range
+    base_cum = np.cumsum(base_fp, axis=0, dtype=np.int64)  # [D, A]
+    delta_cum = np.cumsum(fp.astype(np.int64) - base_fp[cand_pos][:, None, :], axis=0)  # [C, T, A]
 
-  def fp_through(pos, cand):  # false positives at positions <= pos; cand: last candidate <= pos
-    base = np.where(pos[:, None] >= 0, base_cum[np.maximum(pos, 0)], 0)
-    return base[:, None, :] + np.where(cand[:, None, None] >= 0, delta_cum[np.maximum(cand, 0)], 0)
+    def fp_through(pos, cand):  # false positives at positions <= pos; cand: last candidate <= pos
+        base = np.where(pos[:, None] >= 0, base_cum[np.maximum(pos, 0)], 0)
+        return base[:, None, :] + np.where(
+            cand[:, None, None] >= 0, delta_cum[np.maximum(cand, 0)], 0
+        )
 
-  category_start = np.searchsorted(category, np.arange(num_k), side="left")
-  fp_before_category = fp_through(category_start - 1, np.searchsorted(cand_pos, category_start) - 1)  # [K, T, A]
+    category_start = np.searchsorted(category, np.arange(num_k), side="left")
+    fp_before_category = fp_through(
+        category_start - 1, np.searchsorted(cand_pos, category_start) - 1
+    )  # [K, T, A]
 
-  # True positives, grouped by curve (area, threshold, category) in detection order.
-  a_i, t_i, c_i = np.nonzero(tp.transpose(2, 1, 0))
-  k_i = category[cand_pos[c_i]]
-  curve = (a_i * num_t + t_i) * num_k + k_i
-  curve_first = np.flatnonzero(np.r_[True, curve[1:] != curve[:-1]]) if len(curve) else np.zeros(0, np.int64)
-  curve_len = np.diff(np.r_[curve_first, len(curve)])
-  tp_count = (np.arange(len(curve)) - np.repeat(curve_first, curve_len) + 1).astype(np.float64)
-  fp_count = (base_cum[cand_pos[c_i], a_i] + delta_cum[c_i, t_i, a_i]
-              - fp_before_category[k_i, t_i, a_i]).astype(np.float64)
-  pr = tp_count / (fp_count + tp_count + np.spacing(1))
+    # True positives, grouped by curve (area, threshold, category) in detection order.
+    a_i, t_i, c_i = np.nonzero(tp.transpose(2, 1, 0))
+    k_i = category[cand_pos[c_i]]
+    curve = (a_i * num_t + t_i) * num_k + k_i
+    curve_first = (
+        np.flatnonzero(np.r_[True, curve[1:] != curve[:-1]])
+        if len(curve)
+        else np.zeros(0, np.int64)
+    )
+    curve_len = np.diff(np.r_[curve_first, len(curve)])
+    tp_count = (np.arange(len(curve)) - np.repeat(curve_first, curve_len) + 1).astype(np.float64)
+    fp_count = (
+        base_cum[cand_pos[c_i], a_i] + delta_cum[c_i, t_i, a_i] - fp_before_category[k_i, t_i, a_i]
+    ).astype(np.float64)
+    pr = tp_count / (fp_count + tp_count + np.spacing(1))
 
-  # The j-th recall point of a curve: suffix maximum from its max(need_j, 1)-th true positive.
-  a_c, t_c, k_c = a_i[curve_first], t_i[curve_first], k_i[curve_first]
-  need = np.maximum(_recall_targets(num_positive)[k_c, a_c], 1)  # [curves, R]
-  found = need <= curve_len[:, None]
-  curve_end = curve_first + curve_len
-  bounds = np.concatenate([np.where(found, curve_first[:, None] + need - 1, curve_end[:, None]),
-                           curve_end[:, None]], axis=1)
-  interval_max = np.maximum.reduceat(np.r_[pr, -np.inf], bounds.reshape(-1))
-  interval_max = np.where(found, interval_max.reshape(-1, num_r + 1)[:, :num_r], -np.inf)
-  envelope = np.maximum.accumulate(interval_max[:, ::-1], axis=1)[:, ::-1]
+    # The j-th recall point of a curve: suffix maximum from its max(need_j, 1)-th true positive.
+    a_c, t_c, k_c = a_i[curve_first], t_i[curve_first], k_i[curve_first]
+    need = np.maximum(_recall_targets(num_positive)[k_c, a_c], 1)  # [curves, R]
+    found = need <= curve_len[:, None]
+    curve_end = curve_first + curve_len
+    bounds = np.concatenate(
+        [np.where(found, curve_first[:, None] + need - 1, curve_end[:, None]), curve_end[:, None]],
+        axis=1,
+    )
+    interval_max = np.maximum.reduceat(np.r_[pr, -np.inf], bounds.reshape(-1))
+    interval_max = np.where(found, interval_max.reshape(-1, num_r + 1)[:, :num_r], -np.inf)
+    envelope = np.maximum.accumulate(interval_max[:, ::-1], axis=1)[:, ::-1]
 
-  precision = np.where(num_positive > 0, 0.0, -1.0)[None, None].repeat(num_t, 0).repeat(num_r, 1)
-  precision[t_c, :, k_c, a_c] = np.where(found, envelope, 0.0)
+    precision = np.where(num_positive > 0, 0.0, -1.0)[None, None].repeat(num_t, 0).repeat(num_r, 1)
+    precision[t_c, :, k_c, a_c] = np.where(found, envelope, 0.0)
 
-  recall = np.empty((num_t, num_k, num_a, len(MAX_DETS)))
-  tp_rank = rank[cand_pos[c_i]]
-  for m, max_det in enumerate(MAX_DETS):
-    counts = np.bincount(curve, weights=tp_rank < max_det, minlength=num_a * num_t * num_k)
-    with np.errstate(invalid="ignore", divide="ignore"):
-      r = counts.reshape(num_a, num_t, num_k) / num_positive.T[:, None, :]
-    recall[..., m] = np.where(num_positive.T[:, None, :] > 0, r, -1.0).transpose(1, 2, 0)
-  return precision, recall
+    recall = np.empty((num_t, num_k, num_a, len(MAX_DETS)))
+    tp_rank = rank[cand_pos[c_i]]
+    for m, max_det in enumerate(MAX_DETS):
+        counts = np.bincount(curve, weights=tp_rank < max_det, minlength=num_a * num_t * num_k)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            r = counts.reshape(num_a, num_t, num_k) / num_positive.T[:, None, :]
+        recall[..., m] = np.where(num_positive.T[:, None, :] > 0, r, -1.0).transpose(1, 2, 0)
+    return precision, recall
 
 
 def _summarize(precision: np.ndarray, recall: np.ndarray) -> dict[str, float]:
-  def mean_valid(s):
-    return float(np.mean(s[s > -1])) if (s > -1).any() else -1.0
+    def mean_valid(s):
+        return float(np.mean(s[s > -1])) if (s > -1).any() else -1.0
 
-  area = {name: i for i, name in enumerate(AREA_RANGES)}
-  t50 = np.where(IOU_THRESHOLDS == 0.5)[0]
-  t75 = np.where(IOU_THRESHOLDS == 0.75)[0]
-  values = [
-      mean_valid(precision[:, :, :, area["all"]]),
-      mean_valid(precision[t50][:, :, :, area["all"]]),
-      mean_valid(precision[t75][:, :, :, area["all"]]),
-      mean_valid(precision[:, :, :, area["small"]]),
-      mean_valid(precision[:, :, :, area["medium"]]),
-      mean_valid(precision[:, :, :, area["large"]]),
-      mean_valid(recall[:, :, area["all"], 0]),
-      mean_valid(recall[:, :, area["all"], 1]),
-      mean_valid(recall[:, :, area["all"], 2]),
-      mean_valid(recall[:, :, area["small"], 2]),
-      mean_valid(recall[:, :, area["medium"], 2]),
-      mean_valid(recall[:, :, area["large"], 2]),
-  ]
-  return dict(zip(STAT_NAMES, values))
+    area = {name: i for i, name in enumerate(AREA_RANGES)}
+    t50 = np.where(IOU_THRESHOLDS == 0.5)[0]
+    t75 = np.where(IOU_THRESHOLDS == 0.75)[0]
+    values = [
+        mean_valid(precision[:, :, :, area["all"]]),
+        mean_valid(precision[t50][:, :, :, area["all"]]),
+        mean_valid(precision[t75][:, :, :, area["all"]]),
+        mean_valid(precision[:, :, :, area["small"]]),
+        mean_valid(precision[:, :, :, area["medium"]]),
+        mean_valid(precision[:, :, :, area["large"]]),
+        mean_valid(recall[:, :, area["all"], 0]),
+        mean_valid(recall[:, :, area["all"], 1]),
+        mean_valid(recall[:, :, area["all"], 2]),
+        mean_valid(recall[:, :, area["small"], 2]),
+        mean_valid(recall[:, :, area["medium"], 2]),
+        mean_valid(recall[:, :, area["large"], 2]),
+    ]
+    return dict(zip(STAT_NAMES, values))

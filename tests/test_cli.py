@@ -1,0 +1,61 @@
+"""The `ood-jax coco-eval` and `ood-jax demo` commands, run as a user would."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ood_jax import cli
+from ood_jax.metrics import coco, coco_cases
+
+
+@pytest.fixture
+def case_files(tmp_path):
+    gt, dets = coco_cases.random_case(seed=3, num_images=20, num_categories=4)
+    gt_path, det_path = tmp_path / "gt.json", tmp_path / "dets.json"
+    gt_path.write_text(json.dumps(gt))
+    det_path.write_text(json.dumps(dets))
+    return gt, dets, gt_path, det_path
+
+
+def test_coco_eval_prints_table_and_writes_json(case_files, tmp_path, capsys):
+    gt, dets, gt_path, det_path = case_files
+    out = tmp_path / "out" / "result.json"
+    cli.main(["coco-eval", "--gt", str(gt_path), "--detections", str(det_path), "--json", str(out)])
+    printed = capsys.readouterr().out
+    expected = coco.evaluate_detailed(gt, dets)
+    assert f"= {expected.stats['AP']:0.3f}" in printed.splitlines()[0]
+    assert len(printed.strip().splitlines()) == 12
+    written = json.loads(out.read_text())
+    assert written["stats"] == pytest.approx(expected.stats, abs=0)
+    names = dict(zip(coco.GroundTruth.from_coco(gt).category_ids.tolist(), expected.category_names))
+    assert written["per_category_ap"] == {names[k]: v for k, v in expected.per_category_ap.items()}
+
+
+def test_coco_eval_names_malformed_file(case_files, tmp_path):
+    _, _, gt_path, _ = case_files
+    bad = tmp_path / "broken.json"
+    bad.write_text('[{"image_id": 1,')
+    with pytest.raises(SystemExit, match="broken.json is not valid JSON"):
+        cli.main(["coco-eval", "--gt", str(gt_path), "--detections", str(bad)])
+
+
+def test_coco_eval_names_bad_detection(case_files, tmp_path):
+    gt, dets, gt_path, _ = case_files
+    dets = [dict(d) for d in dets]
+    dets[5]["bbox"] = [1.0, 2.0, 0.0, 4.0]
+    bad = tmp_path / "dets.json"
+    bad.write_text(json.dumps(dets))
+    with pytest.raises(SystemExit, match="detection 5"):
+        cli.main(["coco-eval", "--gt", str(gt_path), "--detections", str(bad)])
+
+
+def test_console_script_runs_demo():
+    result = subprocess.run(
+        [sys.executable, "-m", "ood_jax.cli", "demo", "--images", "30", "--categories", "3"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "Average Precision  (AP) @[ IoU=0.50:0.95 | area=   all | maxDets=100 ]" in result.stdout
