@@ -66,6 +66,28 @@ def _demo(args: argparse.Namespace) -> None:
     print(result.table())
 
 
+def _build(args: argparse.Namespace) -> None:
+    from ood_jax.data import building
+
+    try:
+        builder = building.build(
+            args.name,
+            data_dir=args.data_dir,
+            source=args.source,
+            config=args.config,
+            on_error=args.on_error,
+        )
+    except building.BuildError as e:
+        raise SystemExit(f"error: {e}") from None
+    splits = {name: info.num_examples for name, info in builder.info.splits.items()}
+    print(
+        f"\n{builder.name} {builder.builder_config.name if builder.builder_config else ''}"
+        f" {builder.version} -> {builder.data_dir}"
+    )
+    report = getattr(builder, "report", None)
+    print(report.summary(splits) if report else "\n".join(f"  {k}: {v}" for k, v in splits.items()))
+
+
 def _write_json_atomic(path: str, obj: Any) -> None:
     # Write beside the target and rename, so a reader never sees half a file.
     target = pathlib.Path(path)
@@ -84,6 +106,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--detections", required=True, help="COCO results JSON (list of detections)")
     p.add_argument("--json", help="also write the numbers and per-category AP here")
     p.set_defaults(run=_coco_eval)
+
+    p = sub.add_parser("build", help="build a TFDS dataset from its release files")
+    p.add_argument("name", help="counts, foci, oodbench or synthetic_shifts")
+    p.add_argument(
+        "--source", help="directory holding the release (not needed for synthetic_shifts)"
+    )
+    p.add_argument("--data-dir", required=True, help="TFDS data directory to write to")
+    p.add_argument(
+        "--config", help="builder config, e.g. food101 for foci or tiny for synthetic_shifts"
+    )
+    p.add_argument(
+        "--on-error",
+        choices=("fail", "skip"),
+        default="fail",
+        help="a corrupt or missing image fails the build (default) or is skipped and counted",
+    )
+    p.set_defaults(run=_build)
 
     p = sub.add_parser("demo", help="run the main job on the embedded default data")
     p.add_argument("--images", type=int, default=500)
