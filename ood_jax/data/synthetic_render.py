@@ -29,18 +29,18 @@ Annotations follow COCO conventions:
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
 __all__ = [
     "CLASS_NAMES",
     "DOMAINS",
+    "contact_sheet",
+    "image_id",
     "render_example",
     "render_split",
     "split_example",
-    "image_id",
-    "contact_sheet",
 ]
 
 CLASS_NAMES: tuple[str, ...] = (
@@ -98,7 +98,7 @@ _CLASS_SCALE = (1.0, 1.0, 1.05, 1.05, 1.0, 1.1, 1.05, 1.3)
 class _Ctx:
     """Per-image state: rng, size and broadcastable pixel-centre coordinates."""
 
-    __slots__ = ("rng", "S", "Y", "X", "extra")
+    __slots__ = ("S", "X", "Y", "extra", "rng")
 
     def __init__(self, rng: np.random.Generator, size: int):
         self.rng = rng
@@ -153,18 +153,18 @@ def _lattice(grid: np.ndarray, fy, fx) -> np.ndarray:
     return (top + (bot - top) * ty).astype(np.float32)
 
 
-def _interp_matrix(f: np.ndarray, n: int) -> np.ndarray:
-    """(len(f), n) smooth-bilinear weights of 1-D lattice coords ``f`` (wrapping)."""
+def _lerp_axis(grid: np.ndarray, f: np.ndarray, axis: int) -> np.ndarray:
+    """Smooth 1-D interpolation of ``grid`` along ``axis`` at lattice coords ``f`` (wrapping)."""
+    n = grid.shape[axis]
     f0 = np.floor(f)
     t = f - f0
     t = t * t * (3.0 - 2.0 * t)
     i0 = f0.astype(np.intp) % n
     i1 = (i0 + 1) % n
-    w = np.zeros((f.shape[0], n), np.float32)
-    rows = np.arange(f.shape[0])
-    w[rows, i0] = 1.0 - t
-    w[rows, i1] += t
-    return w
+    a = np.take(grid, i0, axis=axis)
+    b = np.take(grid, i1, axis=axis)
+    t = t[:, None] if axis == 0 else t[None, :]
+    return a + (b - a) * t
 
 
 def _noise(c: _Ctx, cy: float, cx: float | None = None, fy=None, fx=None) -> np.ndarray:
@@ -180,7 +180,8 @@ def _noise(c: _Ctx, cy: float, cx: float | None = None, fy=None, fx=None) -> np.
     lx = fx * _F(cx / c.S) + _F(ox)
     if ly.ndim == 2 and lx.ndim == 2 and ly.shape[1] == 1 and lx.shape[0] == 1:
         # axis-aligned lattice: separable interpolation as two small matmuls
-        return (_interp_matrix(ly[:, 0], gh) @ grid) @ _interp_matrix(lx[0], gw).T
+        # (no BLAS: thread start-up costs more than the work at these sizes)
+        return _lerp_axis(_lerp_axis(grid, ly[:, 0], 0), lx[0], 1)
     return _lattice(grid, ly, lx)
 
 
@@ -354,20 +355,20 @@ def _sample_objects(c: _Ctx, n: int, r_range, y_range=(0.0, 1.0)):
             continue
         prim, sec = _CLASS_COLORS[cls]
         objs.append(
-            dict(
-                cls=cls,
-                cx=cx,
-                cy=cy,
-                r=r,
-                R=R,
-                ax=ax,
-                ay=ay,
-                theta=float(rng.uniform(-_CLASS_ROT[cls], _CLASS_ROT[cls])),
-                prim=_jitter(c, prim, 0.12, 0.04),
-                sec=_jitter(c, sec, 0.08, 0.04),
-                ph=float(rng.uniform(0, 2 * np.pi)),
-                wob=rng.uniform(0, 2 * np.pi, 3),
-            )
+            {
+                "cls": cls,
+                "cx": cx,
+                "cy": cy,
+                "r": r,
+                "R": R,
+                "ax": ax,
+                "ay": ay,
+                "theta": float(rng.uniform(-_CLASS_ROT[cls], _CLASS_ROT[cls])),
+                "prim": _jitter(c, prim, 0.12, 0.04),
+                "sec": _jitter(c, sec, 0.08, 0.04),
+                "ph": float(rng.uniform(0, 2 * np.pi)),
+                "wob": rng.uniform(0, 2 * np.pi, 3),
+            }
         )
     return objs
 
@@ -391,7 +392,9 @@ def _draw_object(c: _Ctx, canvas, idmap, full, k: int, o: dict, style: str):
     if handmade:  # wobbly hand-drawn outline
         phi = np.arctan2(v, u)
         w = o["wob"]
-        d = d + 0.055 * (np.sin(3 * phi + w[0]) + 0.7 * np.sin(5 * phi + w[1]) + 0.5 * np.sin(9 * phi + w[2]))
+        d = d + 0.045 * (
+            np.sin(3 * phi + w[0]) + 0.7 * np.sin(5 * phi + w[1]) + 0.5 * np.sin(9 * phi + w[2])
+        )
     dpx = d * _F(r)
     mask = dpx < 0.5
     if not mask.any():
@@ -415,7 +418,7 @@ def _draw_object(c: _Ctx, canvas, idmap, full, k: int, o: dict, style: str):
             col = _lerp(col, c.extra["haze"], _F(c.extra["haze_amt"]))
         elif style == "water":  # partly submerged: blue cast + caustics
             caus = 0.88 + 0.24 * np.sin(_TAU * (dx * 0.19 + 0.6 * np.sin(dy * 0.31)))
-            col = _lerp(col, c.extra["water"], _F(0.3)) * caus[..., None]
+            col = _lerp(col, c.extra["water"], _F(0.22)) * caus[..., None]
     canvas[y0:y1, x0:x1] = under * (1.0 - alpha) + col * alpha
     idmap[y0:y1, x0:x1][mask] = k + 1
     full[k, y0:y1, x0:x1] = mask
@@ -455,7 +458,9 @@ def _bg_dusk(c: _Ctx):
     img = _vgrad(c, (0.22, 0.18, 0.42), (0.98, 0.55, 0.28), 0, h).copy()
     hill = h - (0.05 + 0.12 * _noise(c, 1, 4, fy=np.zeros_like(c.X), fx=c.X)) * S
     ground = c.Y >= hill
-    gcol = _vgrad(c, (0.25, 0.2, 0.2), (0.12, 0.1, 0.1), h, S) * (0.8 + 0.4 * _fbm(c, 8, 2))[..., None]
+    gcol = (
+        _vgrad(c, (0.25, 0.2, 0.2), (0.12, 0.1, 0.1), h, S) * (0.8 + 0.4 * _fbm(c, 8, 2))[..., None]
+    )
     _paint(img, ground, gcol)
     # a bright low sun behind the scene (backlighting)
     sx = c.u(0.2, 0.8) * S
@@ -466,10 +471,16 @@ def _bg_dusk(c: _Ctx):
 def _bg_painting(c: _Ctx):
     S = c.S
     h = c.u(0.3, 0.6) * S
-    skies = [((0.2, 0.4, 0.85), (0.95, 0.8, 0.5)), ((0.9, 0.45, 0.2), (1.0, 0.85, 0.45)),
-             ((0.1, 0.55, 0.6), (0.8, 0.9, 0.7))]
-    grounds = [((0.25, 0.55, 0.15), (0.1, 0.3, 0.1)), ((0.75, 0.55, 0.15), (0.45, 0.25, 0.1)),
-               ((0.35, 0.25, 0.5), (0.15, 0.1, 0.3))]
+    skies = [
+        ((0.2, 0.4, 0.85), (0.95, 0.8, 0.5)),
+        ((0.9, 0.45, 0.2), (1.0, 0.85, 0.45)),
+        ((0.1, 0.55, 0.6), (0.8, 0.9, 0.7)),
+    ]
+    grounds = [
+        ((0.25, 0.55, 0.15), (0.1, 0.3, 0.1)),
+        ((0.75, 0.55, 0.15), (0.45, 0.25, 0.1)),
+        ((0.35, 0.25, 0.5), (0.15, 0.1, 0.3)),
+    ]
     st, sb = skies[int(c.rng.integers(3))]
     gt, gb = grounds[int(c.rng.integers(3))]
     img = _vgrad(c, st, sb, 0, h).copy()
@@ -507,13 +518,15 @@ def _bg_snow(c: _Ctx):
     img[:] = _jitter(c, (0.93, 0.95, 0.98), 0.02, 0.02)
     shade = _smoothstep(0.35, 0.75, _fbm(c, 2.5, 3))[..., None]
     img = _lerp(img, _rgb(0.72, 0.78, 0.9), shade * 0.6)
-    if c.rng.random() < 0.6:  # distant tree line / grey sky
-        top = c.u(0.1, 0.3) * S
-        line = top - 0.08 * S * _noise(c, 1, 14, fy=np.zeros_like(c.X), fx=c.X)
-        sky = c.Y < line - 0.05 * S
-        trees = (c.Y < line) & ~sky
-        _paint(img, sky, _rgb(0.82, 0.85, 0.88))
-        _paint(img, trees, _rgb(0.32, 0.38, 0.4))
+    if c.rng.random() < 0.6:  # distant pine tree line under a grey sky
+        base = c.u(0.12, 0.3) * S
+        per = c.u(4.0, 8.0)
+        tri = 1.0 - 2.0 * np.abs((c.X / per + c.u()) % 1.0 - 0.5)
+        tops = base - 0.1 * S * tri * (0.5 + 0.5 * _noise(c, 1, 8, fy=np.zeros_like(c.X), fx=c.X))
+        sky = c.Y < tops
+        trees = (c.Y >= tops) & (c.Y < base)
+        _paint(img, sky, _rgb(0.8, 0.83, 0.87))
+        _paint(img, trees, _rgb(0.3, 0.37, 0.38))
     return img * (0.97 + 0.03 * _white(c))[..., None]
 
 
@@ -540,15 +553,27 @@ def _bg_street(c: _Ctx):
     blk = np.searchsorted(edges, c.X[0])  # (S,)
     nb = int(blk.max()) + 1
     tops = c.u(0.0, 0.5, nb) * yb
-    pal = np.array([(0.6, 0.3, 0.25), (0.55, 0.55, 0.58), (0.75, 0.68, 0.55), (0.45, 0.42, 0.4),
-                    (0.7, 0.6, 0.5)], np.float32)
+    pal = np.array(
+        [
+            (0.6, 0.3, 0.25),
+            (0.55, 0.55, 0.58),
+            (0.75, 0.68, 0.55),
+            (0.45, 0.42, 0.4),
+            (0.7, 0.6, 0.5),
+        ],
+        np.float32,
+    )
     cols = pal[c.rng.integers(len(pal), size=nb)] * c.u(0.85, 1.1, (nb, 1)).astype(np.float32)
     left = np.concatenate([[0.0], edges])[blk]
     bmask = (c.Y >= tops[blk][None, :]) & (c.Y < yb)
     bcol = np.broadcast_to(cols[blk][None, :, :], (S, S, 3))
     _paint(img, bmask, bcol)
     wp, hp = c.u(6, 9), c.u(7, 10)
-    win = bmask & (((c.X - left[None, :]) % wp) < wp * 0.5) & (((c.Y - tops[blk][None, :]) % hp) > hp * 0.45)
+    win = (
+        bmask
+        & (((c.X - left[None, :]) % wp) < wp * 0.5)
+        & (((c.Y - tops[blk][None, :]) % hp) > hp * 0.45)
+    )
     win &= (c.X - left[None, :]) > 2
     lit = _noise(c, 6, 10) > 0.6
     _paint(img, win & lit, _rgb(0.95, 0.85, 0.5))
@@ -636,7 +661,9 @@ def _bg_grass(c: _Ctx):
 def _bg_indoor(c: _Ctx):
     S = c.S
     yf = c.u(0.45, 0.68) * S
-    wall = _jitter(c, [(0.9, 0.85, 0.72), (0.75, 0.82, 0.78), (0.85, 0.75, 0.7)][int(c.rng.integers(3))], 0.04)
+    wall = _jitter(
+        c, [(0.9, 0.85, 0.72), (0.75, 0.82, 0.78), (0.85, 0.75, 0.7)][int(c.rng.integers(3))], 0.04
+    )
     sp = c.u(6, 12)
     paper = 1.0 - 0.05 * ((c.X % sp) < sp / 2)
     img = np.broadcast_to(wall * paper[..., None], (S, S, 3)).astype(np.float32).copy()
@@ -667,7 +694,11 @@ def _bg_indoor(c: _Ctx):
             top = y1 - hh
             wood2 = _jitter(c, (0.45, 0.28, 0.15), 0.15)
             body = (c.X > x0) & (c.X < x0 + w) & (c.Y > top) & (c.Y < top + 0.25 * hh)
-            legs = ((np.abs(c.X - x0 - 2) < 1.5) | (np.abs(c.X - x0 - w + 2) < 1.5)) & (c.Y > top) & (c.Y < y1)
+            legs = (
+                ((np.abs(c.X - x0 - 2) < 1.5) | (np.abs(c.X - x0 - w + 2) < 1.5))
+                & (c.Y > top)
+                & (c.Y < y1)
+            )
             _paint(img, body | legs, wood2)
         else:  # rug on the floor
             ry = c.u(yf, S)
@@ -683,6 +714,9 @@ def _bg_mountain(c: _Ctx):
     far = [(0.58, 0.63, 0.74), (0.45, 0.45, 0.5), (0.34, 0.32, 0.27)]
     near = [(0.3, 0.36, 0.22), (0.38, 0.3, 0.22)][int(c.rng.integers(2))]
     xs = c.X[0]
+    rock = 0.8 + 0.35 * _fbm(
+        c, 6, 2, aniso=(1.0, 2.0), fy=c.Y + 0.8 * c.X, fx=c.X
+    )  # slanted strata
     for li in range(nl):
         base = (0.45 + 0.55 * (li + 1) / nl) * S
         npk = int(c.rng.integers(2, 5))
@@ -694,8 +728,7 @@ def _bg_mountain(c: _Ctx):
         ridge = base - np.maximum(prof, 0.04 * S) + jag
         m = c.Y >= ridge[None, :]
         col = _rgb(*(near if li == nl - 1 and nl > 1 else far[li]))
-        rock = 0.8 + 0.35 * _fbm(c, 6, 2, aniso=(1.0, 2.0), fy=c.Y + 0.8 * c.X, fx=c.X)
-        shade = (1.0 + 0.15 * (c.X < px[np.argmax(ph)]))
+        shade = 1.0 + 0.15 * (c.X < px[np.argmax(ph)])
         layer = col * (rock * shade)[..., None]
         if li < nl - 1 or nl == 1:  # snow caps on farther ridges
             snowline = ridge.min() + 0.12 * S
@@ -721,7 +754,11 @@ def _bg_sky(c: _Ctx):
 
 def _bg_tree(c: _Ctx):
     S = c.S
-    img = _lerp(_rgb(0.72, 0.82, 0.88), _rgb(0.18, 0.3, 0.14), _smoothstep(0.3, 0.45, _fbm(c, 4, 3))[..., None])
+    img = _lerp(
+        _rgb(0.72, 0.82, 0.88),
+        _rgb(0.18, 0.3, 0.14),
+        _smoothstep(0.3, 0.45, _fbm(c, 4, 3))[..., None],
+    )
     for _ in range(int(c.rng.integers(2, 6))):  # trunks
         x0, lean, w = c.u(0, 1) * S, c.u(-0.15, 0.15), c.u(0.02, 0.06) * S
         bark = 0.75 + 0.4 * _noise(c, S / 12.0, S / 2.0)
@@ -790,10 +827,16 @@ def _fg_occlusion(c: _Ctx, canvas, idmap, full, objs):
                 w = c.u(0, 6.3, 2)
                 rad = rr * (1 + 0.2 * np.sin(3 * phi + w[0]) + 0.1 * np.sin(7 * phi + w[1]))
                 occ = (c.X - bx) ** 2 + (c.Y - by) ** 2 < rad**2
-            pal = [(0.45, 0.42, 0.4), (0.35, 0.25, 0.18), (0.2, 0.22, 0.25), (0.6, 0.58, 0.5), (0.3, 0.35, 0.3)]
+            pal = [
+                (0.45, 0.42, 0.4),
+                (0.35, 0.25, 0.18),
+                (0.2, 0.22, 0.25),
+                (0.6, 0.58, 0.5),
+                (0.3, 0.35, 0.3),
+            ]
             base = _jitter(c, pal[int(c.rng.integers(len(pal)))], 0.15)
             col = base * (0.8 + 0.35 * _fbm(c, 10, 2))[..., None]
-            if _try_occluder(canvas, idmap, full, occ, col, 0.6):
+            if _try_occluder(canvas, idmap, full, occ, col, 0.55):
                 break
     # plus a random long bar across the image (may miss everything)
     for _ in range(int(c.rng.integers(0, 3))):
@@ -805,17 +848,18 @@ def _fg_occlusion(c: _Ctx, canvas, idmap, full, objs):
 
 
 def _fg_grass(c: _Ctx, canvas, idmap, full, objs):
+    """Grass blades in front of the lower part of objects (the background grass, lit)."""
     S = c.S
-    colh = _noise(c, 1, S / 1.8, fy=np.zeros_like(c.X), fx=c.X)  # per-column blade height
-    gaps = _noise(c, 1, S / 2.5, fy=np.zeros_like(c.X), fx=c.X) > 0.4
-    blade_col = _lerp(_rgb(0.45, 0.62, 0.15), _rgb(0.1, 0.3, 0.06), _noise(c, 3, S / 2.0)[..., None])
+    colh = 0.35 * _noise(c, 1, S / 6.0, fy=np.zeros_like(c.X), fx=c.X) + 0.65 * c.rng.random((1, S))
+    gaps = c.rng.random((1, S)) > 0.3
+    blades = np.clip(c.extra["bg"] * 1.12, 0.0, 1.0)
     for k in range(full.shape[0]):
         if c.rng.random() < 0.3 or not full[k].any():
             continue
         x0, y0, x1, y1 = _box_of(full[k])
-        hb = c.u(0.2, 0.45) * (y1 - y0) + 2
-        occ = (c.Y > y1 - hb * (0.3 + 0.7 * colh)) & (c.Y < y1 + 3) & (c.X > x0 - 4) & (c.X < x1 + 4) & gaps
-        _try_occluder(canvas, idmap, full, occ, blade_col, 0.4)
+        hb = c.u(0.25, 0.5) * (y1 - y0) + 2
+        occ = (c.Y > y1 - hb * colh) & (c.Y < y1) & (c.X > x0 - 2) & (c.X < x1 + 2) & gaps
+        _try_occluder(canvas, idmap, full, occ, blades, 0.4)
 
 
 def _fg_tree(c: _Ctx, canvas, idmap, full, objs):
@@ -838,7 +882,7 @@ def _fg_snow(c: _Ctx, canvas, idmap, full, objs):
     for k in range(full.shape[0]):
         if c.rng.random() < 0.4 or not full[k].any():
             continue
-        x0, y0, x1, y1 = _box_of(full[k])
+        _, y0, _, y1 = _box_of(full[k])
         ch = c.u(0.1, 0.3) * (y1 - y0) + 1
         occ = full[k] & (idmap == k + 1) & (c.Y < y0 + ch * (0.6 + 0.8 * wig))
         _try_occluder(canvas, idmap, full, occ, snowcol, 0.35)
@@ -859,7 +903,7 @@ def _shift(img, dy: int, dx: int):
 
 
 def _fx_dim(c: _Ctx, img, idmap, full):
-    img = np.power(np.clip(img, 0, 1), c.u(1.15, 1.45)) * c.u(0.12, 0.22)
+    img = np.power(np.clip(img, 0, 1), c.u(1.15, 1.45)) * c.u(0.14, 0.24)
     img = img * _rgb(0.85, 0.92, 1.2)
     sig = c.u(0.012, 0.025)
     img = img + sig * (_white(c)[..., None] + 0.6 * _white(c, (c.S, c.S, 3)))
@@ -871,7 +915,7 @@ def _fx_painting(c: _Ctx, img, idmap, full):
     ca, sa = np.cos(a), np.sin(a)
     acc = img.copy()
     for k in (-2, -1, 1, 2):  # directional smear along brush direction
-        acc += _shift(img, int(round(k * sa)), int(round(k * ca)))
+        acc += _shift(img, round(k * sa), round(k * ca))
     img = acc / 5.0
     lum = img.mean(2)
     gy = np.abs(np.diff(lum, axis=0, append=lum[-1:]))
@@ -920,8 +964,8 @@ def _fx_handmade(c: _Ctx, img, idmap, full):
 
 def _fx_water(c: _Ctx, img, idmap, full):
     S = c.S
-    amp = c.u(1.2, 2.6)
-    l1, l2 = c.u(9, 18), c.u(12, 24)
+    amp = c.u(0.8, 1.8)
+    l1, l2 = c.u(12, 22), c.u(14, 28)
     p1, p2 = c.u(0, 6.3, 2)
     dx = amp * np.sin(_TAU * c.Y / l1 + p1 + 0.3 * np.sin(_TAU * c.X / l2)) * np.ones_like(c.X)
     dy = 0.6 * amp * np.sin(_TAU * c.X / l2 + p2) * np.ones_like(c.Y)
@@ -1027,6 +1071,7 @@ def render_example(
         raise ValueError(f"max_objects must be >= 1, got {max_objects}")
     c = _Ctx(rng, size)
     canvas = np.array(_BACKGROUNDS[domain](c), dtype=np.float32)
+    c.extra["bg"] = canvas.copy()
     n_req = int(rng.integers(1, int(max_objects) + 1))
     objs = _sample_objects(c, n_req, _SIZE_RANGE.get(domain, _DEFAULT_SIZE))
     n = len(objs)
@@ -1080,7 +1125,9 @@ def image_id(seed: int, domain: str, index: int) -> int:
     return (((tag << 4) | _DOMAIN_INDEX[domain]) << 31) | index
 
 
-def split_example(seed: int, domain: str, index: int, size_range=(128, 160), max_objects: int = 6) -> dict:
+def split_example(
+    seed: int, domain: str, index: int, size_range=(128, 160), max_objects: int = 6
+) -> dict:
     """Example ``index`` of ``render_split(seed, domain, ...)``, rendered on its own."""
     if domain not in _DOMAIN_INDEX:
         raise ValueError(f"unknown synthetic domain {domain!r}; expected one of {DOMAINS}")
@@ -1103,13 +1150,21 @@ def render_split(
     Example ``i`` uses its own rng from ``SeedSequence([seed, domain_index, i])``,
     so any example can be regenerated independently (see :func:`split_example`).
     """
+    # Validate eagerly (a generator body would only run on the first next()).
     if domain not in _DOMAIN_INDEX:
         raise ValueError(f"unknown synthetic domain {domain!r}; expected one of {DOMAINS}")
-    for i in range(int(num_examples)):
-        yield split_example(seed, domain, i, size_range, max_objects)
+    if int(size_range[1]) < int(size_range[0]) or int(size_range[0]) < 32:
+        raise ValueError(f"bad size_range {size_range}")
+    if int(num_examples) > 2**31:
+        raise ValueError(f"num_examples must be <= 2**31, got {num_examples}")
+    return (
+        split_example(seed, domain, i, size_range, max_objects) for i in range(int(num_examples))
+    )
 
 
-def contact_sheet(seed: int = 0, per_domain: int = 4, size: int = 144, draw_boxes: bool = True) -> np.ndarray:
+def contact_sheet(
+    seed: int = 0, per_domain: int = 4, size: int = 144, draw_boxes: bool = True
+) -> np.ndarray:
     """uint8 grid image: one row per domain, ``per_domain`` examples each (boxes in white)."""
     pad = 4
     H = len(DOMAINS) * (size + pad) + pad
@@ -1122,8 +1177,8 @@ def contact_sheet(seed: int = 0, per_domain: int = 4, size: int = 144, draw_boxe
             if draw_boxes:
                 for x, y, w, h in ex["boxes"].astype(int):
                     x1, y1 = x + w - 1, y + h - 1
-                    im[y, x:x1 + 1] = im[y1, x:x1 + 1] = (255, 255, 255)
-                    im[y:y1 + 1, x] = im[y:y1 + 1, x1] = (255, 255, 255)
+                    im[y, x : x1 + 1] = im[y1, x : x1 + 1] = (255, 255, 255)
+                    im[y : y1 + 1, x] = im[y : y1 + 1, x1] = (255, 255, 255)
             oy, ox = pad + di * (size + pad), pad + j * (size + pad)
-            sheet[oy:oy + size, ox:ox + size] = im
+            sheet[oy : oy + size, ox : ox + size] = im
     return sheet
