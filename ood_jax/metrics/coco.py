@@ -223,6 +223,8 @@ def _has_fields(record, fields) -> bool:
 
 
 def _boxes_array(boxes: list, what: str) -> np.ndarray:
+    if not boxes:
+        return np.zeros((0, 4))
     try:
         array = np.array(boxes, dtype=np.float64).reshape(len(boxes), -1)
     except (ValueError, TypeError):
@@ -269,7 +271,7 @@ def _evaluate(gt: GroundTruth, image_id, category_id, boxes, score) -> CocoEvalR
     _check_finite_positive(boxes, "detection", score)
 
     num_categories = len(gt.category_ids)
-    num_t, num_a = len(IOU_THRESHOLDS), len(AREA_RANGES)
+    num_a = len(AREA_RANGES)
 
     # Detections in (group, descending score) order, stable for ties; keep maxDets[-1] per group.
     key = image_index * num_categories + category_index
@@ -438,17 +440,22 @@ def _accumulate(num_positive, category, rank, out_of_range, cand_pos, tp, fp):
     """
     num_k, num_a = num_positive.shape
     num_t, num_r = len(IOU_THRESHOLDS), len(RECALL_THRESHOLDS)
+    precision = np.where(num_positive > 0, 0.0, -1.0)[None, None].repeat(num_t, 0).repeat(num_r, 1)
+    recall = np.where(num_positive > 0, 0.0, -1.0)[None, :, :, None].repeat(num_t, 0)
+    recall = recall.repeat(len(MAX_DETS), 3)
+    if not len(category):  # no detections: zero where there is ground truth
+        return precision, recall
 
     # Running false-positive counts: those of non-candidates plus a correction at candidates.
+    # Row 0 of each is "before the first", so index -1 (none) reads zero.
     base_fp = ~out_of_range
-    base_cum = np.cumsum(base_fp, axis=0, dtype=np.int64)  # [D, A]
-    delta_cum = np.cumsum(fp.astype(np.int64) - base_fp[cand_pos][:, None, :], axis=0)  # [C, T, A]
+    base_cum = np.cumsum(base_fp, axis=0, dtype=np.int64)
+    base_cum = np.concatenate([np.zeros((1, num_a), np.int64), base_cum])  # [D + 1, A]
+    delta = fp.astype(np.int64) - base_fp[cand_pos][:, None, :]
+    delta_cum = np.concatenate([np.zeros((1, num_t, num_a), np.int64), np.cumsum(delta, axis=0)])
 
     def fp_through(pos, cand):  # false positives at positions <= pos; cand: last candidate <= pos
-        base = np.where(pos[:, None] >= 0, base_cum[np.maximum(pos, 0)], 0)
-        return base[:, None, :] + np.where(
-            cand[:, None, None] >= 0, delta_cum[np.maximum(cand, 0)], 0
-        )
+        return base_cum[pos + 1][:, None, :] + delta_cum[cand + 1]
 
     category_start = np.searchsorted(category, np.arange(num_k), side="left")
     fp_before_category = fp_through(
@@ -467,7 +474,9 @@ def _accumulate(num_positive, category, rank, out_of_range, cand_pos, tp, fp):
     curve_len = np.diff(np.r_[curve_first, len(curve)])
     tp_count = (np.arange(len(curve)) - np.repeat(curve_first, curve_len) + 1).astype(np.float64)
     fp_count = (
-        base_cum[cand_pos[c_i], a_i] + delta_cum[c_i, t_i, a_i] - fp_before_category[k_i, t_i, a_i]
+        base_cum[cand_pos[c_i] + 1, a_i]
+        + delta_cum[c_i + 1, t_i, a_i]
+        - fp_before_category[k_i, t_i, a_i]
     ).astype(np.float64)
     pr = tp_count / (fp_count + tp_count + np.spacing(1))
 
@@ -484,10 +493,8 @@ def _accumulate(num_positive, category, rank, out_of_range, cand_pos, tp, fp):
     interval_max = np.where(found, interval_max.reshape(-1, num_r + 1)[:, :num_r], -np.inf)
     envelope = np.maximum.accumulate(interval_max[:, ::-1], axis=1)[:, ::-1]
 
-    precision = np.where(num_positive > 0, 0.0, -1.0)[None, None].repeat(num_t, 0).repeat(num_r, 1)
     precision[t_c, :, k_c, a_c] = np.where(found, envelope, 0.0)
 
-    recall = np.empty((num_t, num_k, num_a, len(MAX_DETS)))
     tp_rank = rank[cand_pos[c_i]]
     for m, max_det in enumerate(MAX_DETS):
         counts = np.bincount(curve, weights=tp_rank < max_det, minlength=num_a * num_t * num_k)
