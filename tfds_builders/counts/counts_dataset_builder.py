@@ -1,0 +1,257 @@
+"""COUNTS (Li et al.): object detection under 14 natural distribution shifts, as TFDS records.
+
+What is read from the release directory SRC (`ood-jax build counts --source SRC`):
+
+- `SRC/annotations/{train,val,test}.json`: one COCO detection file per source split. A file that
+  is absent is not built; at least one must exist.
+  - `images[]`: `id`, `file_name`, `width`, `height` and `domain` (one of COUNTS' 14 domains,
+    any case; the release's spelling "handmake" means "handmade").
+  - `categories[]`: `id`, `name`. Names are matched to the paper's 35 categories (Table 7)
+    ignoring case, spaces, underscores and hyphens, so "Wine glass" and "bicycle_helmet" match.
+  - `annotations[]`: `id`, `image_id`, `category_id`, `bbox` (absolute `[x, y, w, h]` pixels);
+    optional `area` (default: w * h of the stored, clipped box) and `iscrowd` (default 0).
+- `SRC/images/<file_name>`: the image. JPEG files are stored byte for byte, other formats are
+  re-encoded as JPEG. Its decoded size must match the record's `width` and `height`.
+
+Nothing else is read. One split is written per (source split, domain) as `{split}_{domain}`,
+e.g. `train_snow`, holding the images of that domain in that file. TFDS cannot write a split
+without examples, so only (split, domain) pairs with at least one image are declared, and a
+split all of whose images are skipped fails the build naming it.
+
+Bad input fails the build naming the file and record: malformed JSON, a missing field, an
+unknown category or domain, an annotation of an unknown image, a duplicate image id, an
+unreadable image or one whose size differs from its record. With `--on-error skip`, unreadable
+or mis-sized images are skipped and counted instead. Boxes of non-positive size or wholly
+outside the image are dropped, boxes past the edge clipped; both are counted (`builder.report`).
+
+Assumed layout: the paper (and its release page) does not pin down file names. If a release
+ships differently (one annotation file with a split field per image, or per-domain folders),
+rearrange it into the layout above; no other layout is read.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import pathlib
+import re
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+from ood_jax import boxes as box_lib
+from ood_jax.data import building, counts
+
+BuildError = building.BuildError
+_IMAGE_FIELDS = ("id", "file_name", "width", "height", "domain")
+_ANNOTATION_FIELDS = ("id", "image_id", "category_id", "bbox")
+_CATEGORY_FIELDS = ("id", "name")
+
+
+def _category_key(name: str) -> str:
+    """The spelling-insensitive form a category name is matched by."""
+    return re.sub(r"[\s_\-]+", "", name.lower())
+
+
+_CATEGORY_INDEX = {_category_key(name): i for i, name in enumerate(counts.CATEGORIES)}
+
+
+@dataclasses.dataclass
+class _Object:
+    """One annotation as read, before its box is cleaned."""
+
+    xywh: list[float]
+    label: int
+    area: float | None
+    is_crowd: bool
+    id: int
+
+
+@dataclasses.dataclass
+class _ImageRecord:
+    """One image record with its annotations, in file order."""
+
+    id: int
+    file_name: str
+    width: int
+    height: int
+    domain: str
+    objects: list[_Object] = dataclasses.field(default_factory=list)
+
+
+def _as_int(value: Any, where: str, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise BuildError(f"{where}: field '{field}' must be an integer, got {value!r}")
+    return int(value)
+
+
+def _as_number(value: Any, where: str, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BuildError(f"{where}: field '{field}' must be a number, got {value!r}")
+    return float(value)
+
+
+def _list_field(data: Any, field: str, path: pathlib.Path) -> list:
+    if not isinstance(data, dict):
+        raise BuildError(f"{path}: expected a COCO object at the top level")
+    if not isinstance(data.get(field), list):
+        raise BuildError(f"{path}: missing list field '{field}'")
+    return data[field]
+
+
+def parse_annotation_file(path: pathlib.Path) -> list[_ImageRecord]:
+    """Validates one COCO file and returns its images, each with its objects, in file order."""
+    data = building.load_json(path)
+    labels = {}
+    for i, category in enumerate(_list_field(data, "categories", path)):
+        where = f"{path}: categories[{i}]"
+        building.require(category, _CATEGORY_FIELDS, where)
+        key = _category_key(str(category["name"]))
+        if key not in _CATEGORY_INDEX:
+            raise BuildError(
+                f"{where}: unknown category {category['name']!r}; COUNTS has "
+                f"{', '.join(counts.CATEGORIES)}"
+            )
+        labels[_as_int(category["id"], where, "id")] = _CATEGORY_INDEX[key]
+
+    images: dict[int, _ImageRecord] = {}
+    for i, image in enumerate(_list_field(data, "images", path)):
+        where = f"{path}: images[{i}]"
+        building.require(image, _IMAGE_FIELDS, where)
+        image_id = _as_int(image["id"], where, "id")
+        if image_id in images:
+            raise BuildError(f"{where}: duplicate image id {image_id}")
+        try:
+            domain = counts.canonical_domain(str(image["domain"]))
+        except ValueError as e:
+            raise BuildError(f"{where} (id {image_id}): {e}") from None
+        images[image_id] = _ImageRecord(
+            id=image_id,
+            file_name=str(image["file_name"]),
+            width=_as_int(image["width"], where, "width"),
+            height=_as_int(image["height"], where, "height"),
+            domain=domain,
+        )
+
+    for i, annotation in enumerate(_list_field(data, "annotations", path)):
+        where = f"{path}: annotations[{i}]"
+        building.require(annotation, _ANNOTATION_FIELDS, where)
+        image_id = _as_int(annotation["image_id"], where, "image_id")
+        if image_id not in images:
+            raise BuildError(f"{where}: image_id {image_id} is not in the file's images")
+        category_id = _as_int(annotation["category_id"], where, "category_id")
+        if category_id not in labels:
+            raise BuildError(f"{where}: category_id {category_id} is not in the file's categories")
+        bbox = annotation["bbox"]
+        if not isinstance(bbox, list) or len(bbox) != 4:
+            raise BuildError(f"{where}: field 'bbox' must be [x, y, w, h], got {bbox!r}")
+        area = annotation.get("area")
+        images[image_id].objects.append(
+            _Object(
+                xywh=[_as_number(v, where, "bbox") for v in bbox],
+                label=labels[category_id],
+                area=None if area is None else _as_number(area, where, "area"),
+                is_crowd=bool(_as_int(annotation.get("iscrowd", 0), where, "iscrowd")),
+                id=_as_int(annotation["id"], where, "id"),
+            )
+        )
+    return list(images.values())
+
+
+class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
+    """COUNTS: one split per (source split, domain), e.g. `train_snow`."""
+
+    VERSION = tfds.core.Version("1.0.0")
+    RELEASE_NOTES: ClassVar[dict[str, str]] = {
+        "1.0.0": "Initial release: COCO files per source split, one TFDS split per domain.",
+    }
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description=(
+                "COUNTS: Common Objects UNder disTribution Shifts. Real images of 35 object "
+                "categories in 14 domains, with image-level domain labels and object boxes. "
+                "Split `{split}_{domain}` holds the images of one domain in one source split."
+            ),
+            features=counts.detection_features(counts.CATEGORIES),
+            homepage="https://huggingface.co/datasets/jianshengli/COUNTS",
+        )
+
+    def _split_generators(self, dl_manager) -> dict[str, Iterator]:
+        annotations = self.source_dir(dl_manager) / "annotations"
+        files = {s: annotations / f"{s}.json" for s in counts.SOURCE_SPLITS}
+        files = {s: path for s, path in files.items() if path.is_file()}
+        if not files:
+            raise BuildError(
+                f"{annotations}: none of {', '.join(f'{s}.json' for s in counts.SOURCE_SPLITS)}"
+                " found"
+            )
+        # Parse every file before writing anything, so bad annotations fail the build at once.
+        by_split = collections.defaultdict(list)
+        for split, path in files.items():
+            for record in parse_annotation_file(path):
+                by_split[counts.split_name(split, record.domain)].append(record)
+        images_dir = annotations.parent / "images"
+        return {
+            counts.split_name(split, domain): self._generate_examples(
+                by_split[counts.split_name(split, domain)],
+                images_dir,
+                counts.split_name(split, domain),
+            )
+            for split in files
+            for domain in counts.DOMAINS
+            if by_split[counts.split_name(split, domain)]
+        }
+
+    def _generate_examples(
+        self, records: list[_ImageRecord], images_dir: pathlib.Path, split: str
+    ) -> Iterator[tuple[int, dict]]:
+        written = 0
+        for record in records:
+            path = images_dir / record.file_name
+            image = building.read_image_or_skip(path, self.on_error, self.report)
+            if image is None:
+                continue
+            if (image.height, image.width) != (record.height, record.width):
+                reason = (
+                    f"decoded size {image.width}x{image.height} differs from the annotation's "
+                    f"width x height {record.width}x{record.height} (image id {record.id})"
+                )
+                if self.on_error == "fail":
+                    raise BuildError(f"{path}: {reason}")
+                self.report.skipped_images.append((str(path), reason))
+                continue
+            written += 1
+            yield record.id, self._example(record, image)
+        if not written:
+            raise BuildError(f"split {split}: every image was skipped, so it has no examples")
+
+    def _example(self, record: _ImageRecord, image: building.EncodedImage) -> dict:
+        xywh = np.array([o.xywh for o in record.objects], np.float64).reshape(-1, 4)
+        bbox, kept = building.clean_boxes(xywh, record.height, record.width, self.report)
+        kept_objects = [o for o, k in zip(record.objects, kept) if k]
+        # Boxes past the edge are stored clipped, so the default area is the clipped box's.
+        clipped = box_lib.clip_xyxy(
+            box_lib.xywh_to_xyxy(xywh[kept]), max_x=record.width, max_y=record.height
+        )
+        sizes = box_lib.xyxy_to_xywh(clipped)
+        box_areas = sizes[:, 2] * sizes[:, 3]
+        return {
+            "image": image.jpeg,
+            "image/id": record.id,
+            "image/filename": record.file_name,
+            "domain": record.domain,
+            "objects": {
+                "bbox": bbox,
+                "label": np.array([o.label for o in kept_objects], np.int64),
+                "area": np.array(
+                    [a if o.area is None else o.area for o, a in zip(kept_objects, box_areas)],
+                    np.float32,
+                ),
+                "is_crowd": np.array([o.is_crowd for o in kept_objects], bool),
+                "id": np.array([o.id for o in kept_objects], np.int64),
+            },
+        }

@@ -1,0 +1,392 @@
+"""OODBench: yes/no questions on ID, OOD-S and OOD-H image-category instances, and BAP questions.
+
+Source layout (`--source SRC`):
+
+    SRC/annotations.json  COCO or LVIS instances JSON (images, annotations, categories)
+    SRC/images/<file_name>  LVIS images without "file_name" use the last part of "coco_url"
+    SRC/splits.jsonl      {"image_id": int, "category": name, "split": "ID" | "OOD-S" | "OOD-H"}
+
+Splits: `id`, `ood_s`, `ood_h`. Answers come from the annotations, never from splits.jsonl.
+
+Config `default`: every instance gives two questions with opposite answers, as the paper does to
+balance labels (data-construction paragraph, Fig. 4). The wording is the paper's and its released
+code's, "(yes or no)" included, and "[class]" is filled in literally, so "a" is never "an".
+
+Config `bap`: the Basic-to-Advanced Progression questions. Per split and image, one test sample:
+category A is drawn from the image's instance categories that are present, and B from the image's
+other annotated categories (the paper pairs each image with two distinct labels), by a choice
+seeded with the split and image id. It asks existential and counting questions for A and for B,
+then the logical one "A greater than B?" (a tie is "no": not greater). Images with fewer than two
+annotated categories are not used, as in the paper.
+
+Counts: a crowd annotation (COCO) or a category LVIS marks not exhaustively annotated stands for
+an unknown number of instances, so its count is undefined: `count` is -1 in `default`, and `bap`
+skips the counting and logical questions that need it (counted in the build report). LVIS is
+federated: a category neither annotated nor listed in the image's "neg_category_ids" has no known
+answer, so such instances are skipped and counted.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import pathlib
+import random
+import urllib.parse
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+from ood_jax.data import building
+
+SPLITS = {"ID": "id", "OOD-S": "ood_s", "OOD-H": "ood_h"}
+
+# The paper's two questions per instance, as in its released evaluation code.
+PRESENCE_QUESTION = "Does this image contain a {category}? (yes or no)"
+ABSENCE_QUESTION = "Does this image not contain a {category}? (yes or no)"
+# The paper words only the logical question (BAP paragraph); the other two are ours.
+EXISTENTIAL_QUESTION = "Is there a {category} in the image?"
+COUNTING_QUESTION = "How many {category} are there in the image?"
+LOGICAL_QUESTION = (
+    "Is the number of {first} in the image greater than the number of {second}? "
+    "Answer with 'yes' or 'no'"
+)
+LEVELS = ("existential", "counting", "logical")
+
+UNKNOWN_PRESENCE = "instances skipped: category neither annotated nor verified absent (LVIS)"
+UNDEFINED_COUNT = "yes/no instances with count -1: crowd or non-exhaustive annotation"
+FEW_CATEGORIES = "bap images skipped: fewer than two annotated categories"
+NO_PRESENT_INSTANCE = "bap images skipped: no instance category is present in the image"
+SKIPPED_COUNTING = "bap counting questions skipped: count undefined (crowd or non-exhaustive)"
+SKIPPED_LOGICAL = "bap logical questions skipped: a count is undefined (crowd or non-exhaustive)"
+
+
+@dataclasses.dataclass
+class _Image:
+    id: int
+    file_name: str
+    counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    crowd: set[int] = dataclasses.field(default_factory=set)
+    not_exhaustive: set[int] = dataclasses.field(default_factory=set)
+    # None (COCO): every unannotated category is absent; a set (LVIS): only those are.
+    negatives: set[int] | None = None
+
+    def presence(self, category: int) -> bool | None:
+        """True or False, or None where the annotations do not say."""
+        if category in self.counts or category in self.crowd or category in self.not_exhaustive:
+            return True
+        if self.negatives is None or category in self.negatives:
+            return False
+        return None
+
+    def count(self, category: int) -> int | None:
+        """Instances of `category`, or None where the annotations do not give the number."""
+        if category in self.crowd or category in self.not_exhaustive:
+            return None
+        return self.counts[category]
+
+    def annotated(self) -> list[int]:
+        return sorted(set(self.counts) | self.crowd)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Instance:
+    image_id: int
+    category: int
+
+
+@dataclasses.dataclass
+class _Source:
+    images_dir: pathlib.Path
+    categories: dict[int, str]
+    images: dict[int, _Image]
+    instances: dict[str, list[_Instance]]  # TFDS split -> instances in file order
+
+
+def _int_id(value: Any, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise building.BuildError(f"{where}: expected an integer id, got {value!r}")
+    return value
+
+
+def _file_name_from_url(url: Any) -> str | None:
+    if not isinstance(url, str):
+        return None
+    return pathlib.PurePosixPath(urllib.parse.urlparse(url).path).name or None
+
+
+def _read_annotations(
+    path: pathlib.Path,
+) -> tuple[dict[int, str], dict[str, int | None], dict[int, _Image]]:
+    """(category id -> name, name or LVIS synonym -> id, image id -> image) from the JSON.
+
+    A synonym that two categories share maps to None; a category's own name wins over synonyms.
+    """
+    data = building.load_json(path)
+    building.require(data, ("images", "annotations", "categories"), str(path))
+    categories: dict[int, str] = {}
+    names: dict[str, int | None] = {}
+    synonyms: list[tuple[str, int]] = []
+    for i, category in enumerate(data["categories"]):
+        where = f"{path}: categories[{i}]"
+        building.require(category, ("id", "name"), where)
+        category_id, name = _int_id(category["id"], f"{where}.id"), category["name"]
+        if not isinstance(name, str) or name in names:
+            raise building.BuildError(f"{where}: missing or duplicate name {name!r}")
+        categories[category_id], names[name] = name, category_id
+        synonyms += [(s, category_id) for s in category.get("synonyms", ()) if s != name]
+    own_names = set(names)
+    for synonym, category_id in synonyms:
+        if synonym not in own_names:
+            names[synonym] = category_id if names.get(synonym, category_id) == category_id else None
+    images: dict[int, _Image] = {}
+    for i, record in enumerate(data["images"]):
+        where = f"{path}: images[{i}]"
+        building.require(record, ("id",), where)
+        image_id = _int_id(record["id"], f"{where}.id")
+        file_name = record.get("file_name") or _file_name_from_url(record.get("coco_url"))
+        if not file_name:
+            raise building.BuildError(f"{where}: neither 'file_name' nor 'coco_url' names a file")
+        if image_id in images:
+            raise building.BuildError(f"{where}: duplicate image id {image_id}")
+        negatives = record.get("neg_category_ids")
+        images[image_id] = _Image(
+            id=image_id,
+            file_name=file_name,
+            not_exhaustive=set(record.get("not_exhaustive_category_ids", ())),
+            negatives=None if negatives is None else set(negatives),
+        )
+    for i, annotation in enumerate(data["annotations"]):
+        where = f"{path}: annotations[{i}]"
+        building.require(annotation, ("image_id", "category_id"), where)
+        image = images.get(_int_id(annotation["image_id"], f"{where}.image_id"))
+        category = _int_id(annotation["category_id"], f"{where}.category_id")
+        if image is None:
+            raise building.BuildError(f"{where}: unknown image_id {annotation['image_id']}")
+        if category not in categories:
+            raise building.BuildError(f"{where}: unknown category_id {category}")
+        if annotation.get("iscrowd", 0):
+            image.crowd.add(category)
+        else:
+            image.counts[category] += 1
+    return categories, names, images
+
+
+def _read_splits(
+    path: pathlib.Path, images: dict[int, _Image], names: dict[str, int | None]
+) -> dict[str, list[_Instance]]:
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise building.BuildError(f"{path}: file not found") from None
+    instances: dict[str, list[_Instance]] = {split: [] for split in SPLITS.values()}
+    first_line: dict[tuple[int, int], int] = {}
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}: line {number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise building.BuildError(f"{path}: malformed JSON on line {number}: {e.msg}") from None
+        building.require(record, ("image_id", "category", "split"), where)
+        image_id, name, label = record["image_id"], record["category"], record["split"]
+        if not isinstance(image_id, int) or isinstance(image_id, bool) or image_id not in images:
+            raise building.BuildError(f"{where}: unknown image_id {image_id!r}")
+        if not isinstance(name, str) or name not in names:
+            raise building.BuildError(f"{where}: unknown category {name!r}")
+        if names[name] is None:
+            raise building.BuildError(f"{where}: category {name!r} is a synonym of several")
+        if not isinstance(label, str) or label not in SPLITS:
+            raise building.BuildError(
+                f"{where}: unknown split {label!r}; expected one of {', '.join(SPLITS)}"
+            )
+        key = (image_id, names[name])
+        if key in first_line:
+            raise building.BuildError(
+                f"{where}: image {image_id} with category {name!r} is already on line "
+                f"{first_line[key]}"
+            )
+        first_line[key] = number
+        instances[SPLITS[label]].append(_Instance(image_id, names[name]))
+    return instances
+
+
+def _by_image(instances: list[_Instance]) -> dict[int, list[_Instance]]:
+    groups: dict[int, list[_Instance]] = collections.defaultdict(list)
+    for instance in instances:
+        groups[instance.image_id].append(instance)
+    return groups
+
+
+def _text(name: str) -> str:
+    # LVIS names join words with underscores ("baseball_bat"); questions are natural language.
+    return name.replace("_", " ")
+
+
+def _bap(level: str, question: str, answer: str, categories: list[str]) -> dict:
+    return {"level": level, "question": question, "answer": answer, "categories": categories}
+
+
+class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
+    """OODBench from COCO/LVIS annotations and the ID / OOD-S / OOD-H instance list."""
+
+    VERSION = tfds.core.Version("1.0.0")
+    RELEASE_NOTES: ClassVar[dict[str, str]] = {"1.0.0": "Yes/no questions and BAP questions."}
+    BUILDER_CONFIGS: ClassVar[list[tfds.core.BuilderConfig]] = [
+        tfds.core.BuilderConfig(name="default", description="Two yes/no questions per instance."),
+        tfds.core.BuilderConfig(
+            name="bap", description="Existential, counting and logical questions (BAP metric)."
+        ),
+    ]
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._unreadable: set[pathlib.Path] = set()
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        common = {
+            "image": tfds.features.Image(encoding_format="jpeg"),
+            "image/id": tf.int64,
+            "question": tfds.features.Text(),
+        }
+        if self.builder_config.name == "bap":
+            features = {
+                **common,
+                "level": tfds.features.ClassLabel(names=LEVELS),
+                "answer": tfds.features.Text(),
+                "categories": tfds.features.Sequence(tfds.features.Text()),
+            }
+        else:
+            features = {
+                **common,
+                "category": tfds.features.Text(),
+                "answer": tfds.features.ClassLabel(names=["no", "yes"]),
+                "count": tf.int32,
+                "kind": tfds.features.Text(),
+            }
+        return self.dataset_info_from_configs(
+            description=__doc__, features=tfds.features.FeaturesDict(features)
+        )
+
+    def _split_generators(self, dl_manager) -> dict[str, Iterator]:
+        root = self.source_dir(dl_manager)
+        categories, names, images = _read_annotations(root / "annotations.json")
+        instances = _read_splits(root / "splits.jsonl", images, names)
+        source = _Source(root / "images", categories, images, instances)
+        plan = self._bap_questions if self.builder_config.name == "bap" else self._yes_no_questions
+        generators = {}
+        for split in SPLITS.values():
+            questions = plan(source, split)
+            # TFDS cannot write a split without examples, so such a split is left out.
+            if questions:
+                generators[split] = self._generate_examples(source, questions)
+            else:
+                self.report.notes[f"split {split} left out: no questions"] += 1
+        return generators
+
+    def _read(self, source: _Source, image_id: int) -> building.EncodedImage | None:
+        path = source.images_dir / source.images[image_id].file_name
+        # An image used in several splits is read, and counted if skipped, once per build.
+        if path in self._unreadable:
+            return None
+        encoded = building.read_image_or_skip(path, self.on_error, self.report)
+        if encoded is None:
+            self._unreadable.add(path)
+        return encoded
+
+    def _generate_examples(
+        self, source: _Source, questions: dict[int, list[tuple[str, dict]]]
+    ) -> Iterator[tuple[str, dict]]:
+        """Adds each image, read once for all its questions, to the planned examples."""
+        for image_id, examples in questions.items():
+            encoded = self._read(source, image_id)
+            if encoded is None:
+                continue
+            for key, example in examples:
+                yield f"{image_id}/{key}", {**example, "image": encoded.jpeg, "image/id": image_id}
+
+    def _yes_no_questions(self, source: _Source, split: str) -> dict[int, list[tuple[str, dict]]]:
+        """Image id -> (key, example without the image) of the split's yes/no questions."""
+        questions = {}
+        for image_id, group in _by_image(source.instances[split]).items():
+            image = source.images[image_id]
+            examples = []
+            for instance in group:
+                present = image.presence(instance.category)
+                if present is None:
+                    self.report.notes[UNKNOWN_PRESENCE] += 1
+                    continue
+                count = image.count(instance.category)
+                if count is None:
+                    self.report.notes[UNDEFINED_COUNT] += 1
+                name = source.categories[instance.category]
+                for kind, template, answer in (
+                    ("existential", PRESENCE_QUESTION, present),
+                    ("negated existential", ABSENCE_QUESTION, not present),
+                ):
+                    example = {
+                        "category": name,
+                        "question": template.format(category=_text(name)),
+                        "answer": "yes" if answer else "no",
+                        "count": -1 if count is None else count,
+                        "kind": kind,
+                    }
+                    examples.append((f"{instance.category}/{kind}", example))
+            if examples:
+                questions[image_id] = examples
+        return questions
+
+    def _bap_pair(
+        self, image: _Image, group: list[_Instance], split: str
+    ) -> tuple[int, int] | None:
+        """The test sample's (A, B), or None (counted) when the image gives none."""
+        annotated = image.annotated()
+        if len(annotated) < 2:
+            self.report.notes[FEW_CATEGORIES] += 1
+            return None
+        candidates = sorted({i.category for i in group if i.category in annotated})
+        if not candidates:
+            self.report.notes[NO_PRESENT_INSTANCE] += 1
+            return None
+        # Seeded by a string, which `random` hashes with SHA-512: the same on every machine.
+        rng = random.Random(f"oodbench-bap/{split}/{image.id}")
+        first = rng.choice(candidates)
+        return first, rng.choice([c for c in annotated if c != first])
+
+    def _bap_questions(self, source: _Source, split: str) -> dict[int, list[tuple[str, dict]]]:
+        """Image id -> (key, example without the image) of the split's BAP test samples."""
+        questions = {}
+        for image_id, group in _by_image(source.instances[split]).items():
+            image = source.images[image_id]
+            pair = self._bap_pair(image, group, split)
+            if pair is None:
+                continue
+            names = [source.categories[c] for c in pair]
+            counts = [image.count(c) for c in pair]
+            examples = []
+            for category, name, count in zip(pair, names, counts):
+                question = EXISTENTIAL_QUESTION.format(category=_text(name))
+                examples.append(
+                    (f"existential/{category}", _bap("existential", question, "yes", [name]))
+                )
+                if count is None:
+                    self.report.notes[SKIPPED_COUNTING] += 1
+                    continue
+                question = COUNTING_QUESTION.format(category=_text(name))
+                examples.append(
+                    (f"counting/{category}", _bap("counting", question, str(count), [name]))
+                )
+            if None in counts:
+                self.report.notes[SKIPPED_LOGICAL] += 1
+            else:
+                question = LOGICAL_QUESTION.format(first=_text(names[0]), second=_text(names[1]))
+                answer = "yes" if counts[0] > counts[1] else "no"
+                examples.append(
+                    (f"logical/{pair[0]}/{pair[1]}", _bap("logical", question, answer, names))
+                )
+            questions[image_id] = examples
+        return questions

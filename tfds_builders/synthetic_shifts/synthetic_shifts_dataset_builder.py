@@ -1,0 +1,142 @@
+"""synthetic_shifts: a small, fully synthetic stand-in for COUNTS, rendered procedurally.
+
+Nothing is read: `ood_jax.data.synthetic_render` draws 8 classes of textured shapes in COUNTS'
+14 domains (appearance shifts of background, objects or the whole image), so detection code
+can be trained and tested on CPU without the real release. The images are synthetic; they are
+not COUNTS images and do not claim to look like them.
+
+Records have COUNTS' features (`counts.detection_features`) with the synthetic class names, and
+the splits `train_{domain}` and `test_{domain}` for all 14 domains, so the same split
+expressions (`counts.held_out_split_expressions`) select held-out domains. Configs:
+
+- `tiny`: 8 train + 4 test images per domain, 96-128 px (for tests).
+- `demo`: 160 train + 40 test images per domain, 128-160 px (2,800 images).
+
+A config's output is a pure function of its seed: split `s` renders with seed `2 * seed + s`
+(train 0, test 1), so train and test never share an image.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections.abc import Iterator
+from typing import ClassVar
+
+import numpy as np
+import tensorflow_datasets as tfds
+from PIL import Image
+
+from ood_jax.data import building, counts, synthetic_render
+
+SPLITS = ("train", "test")
+JPEG_QUALITY = 90
+# Annotation ids pack (split, domain, example index, object index) into disjoint bit fields.
+_OBJECT_BITS = 4
+_INDEX_BITS = 31
+_DOMAIN_BITS = 4
+
+
+@dataclasses.dataclass(eq=False)
+class SyntheticConfig(tfds.core.BuilderConfig):
+    """How many images of which size to render per domain, and from which seed."""
+
+    train_per_domain: int = 8
+    test_per_domain: int = 4
+    size_range: tuple[int, int] = (96, 128)
+    seed: int = 0
+
+
+def _object_ids(split_index: int, domain_index: int, index: int, count: int) -> np.ndarray:
+    if count > 1 << _OBJECT_BITS:
+        raise ValueError(f"at most {1 << _OBJECT_BITS} objects per image, got {count}")
+    image = ((split_index << _DOMAIN_BITS | domain_index) << _INDEX_BITS) | index
+    return (image << _OBJECT_BITS) + np.arange(count, dtype=np.int64)
+
+
+def _jpeg(pixels: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="JPEG", quality=JPEG_QUALITY)
+    return buffer.getvalue()
+
+
+class Builder(tfds.core.GeneratorBasedBuilder):
+    """Synthetic shapes in COUNTS' 14 domains: splits `train_{domain}`, `test_{domain}`."""
+
+    VERSION = tfds.core.Version("1.0.0")
+    RELEASE_NOTES: ClassVar[dict[str, str]] = {
+        "1.0.0": "Initial release: synthetic_render images, configs tiny and demo.",
+    }
+    BUILDER_CONFIGS: ClassVar[list[SyntheticConfig]] = [
+        SyntheticConfig(
+            name="tiny",
+            description="Synthetic, for tests: 8 train + 4 test images per domain, 96-128 px.",
+            train_per_domain=8,
+            test_per_domain=4,
+            size_range=(96, 128),
+            seed=0,
+        ),
+        SyntheticConfig(
+            name="demo",
+            description="Synthetic: 160 train + 40 test images per domain, 128-160 px.",
+            train_per_domain=160,
+            test_per_domain=40,
+            size_range=(128, 160),
+            seed=1,
+        ),
+    ]
+
+    def __init__(self, **kwargs):
+        # Counts boxes that cleaning changes, as the source builders do (none are expected).
+        self.report = building.BuildReport()
+        super().__init__(**kwargs)
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description=(
+                "Synthetic stand-in for COUNTS, rendered procedurally (not real images): "
+                f"{len(synthetic_render.CLASS_NAMES)} classes of textured shapes in COUNTS' "
+                "14 domains. Split `{split}_{domain}` holds one domain of the train or test split."
+            ),
+            features=counts.detection_features(synthetic_render.CLASS_NAMES),
+        )
+
+    def _split_generators(self, dl_manager) -> dict[str, Iterator]:
+        del dl_manager  # Nothing is downloaded or read.
+        config = self.builder_config
+        sizes = {"train": config.train_per_domain, "test": config.test_per_domain}
+        return {
+            counts.split_name(split, domain): self._generate_examples(split, domain, sizes[split])
+            for split in SPLITS
+            for domain in counts.DOMAINS
+        }
+
+    def _generate_examples(
+        self, split: str, domain: str, num_examples: int
+    ) -> Iterator[tuple[int, dict]]:
+        config = self.builder_config
+        split_index, domain_index = SPLITS.index(split), counts.DOMAINS.index(domain)
+        examples = synthetic_render.render_split(
+            2 * config.seed + split_index, domain, num_examples, tuple(config.size_range)
+        )
+        for index, example in enumerate(examples):
+            height, width = example["image"].shape[:2]
+            bbox, kept = building.clean_boxes(example["boxes"], height, width, self.report)
+            ids = _object_ids(split_index, domain_index, index, len(kept))
+            yield (
+                int(example["image/id"]),
+                {
+                    "image": _jpeg(example["image"]),
+                    "image/id": int(example["image/id"]),
+                    "image/filename": f"synthetic/{split}/{domain}/{index}.jpg",
+                    "domain": domain,
+                    "objects": {
+                        "bbox": bbox,
+                        "label": example["labels"][kept].astype(np.int64),
+                        "area": example["area"][kept].astype(np.float32),
+                        "is_crowd": example["is_crowd"][kept].astype(bool),
+                        "id": ids[kept],
+                    },
+                },
+            )
