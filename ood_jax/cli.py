@@ -124,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(run=_build)
 
+    for command in ("train", "evaluate"):
+        sub.add_parser(
+            command,
+            help=f"{command} a detector: --config=configs/X.py[:arg] --workdir=DIR [--config.f=v]",
+        )
+
     p = sub.add_parser("demo", help="run the main job on the embedded default data")
     p.add_argument("--images", type=int, default=500)
     p.add_argument("--categories", type=int, default=20)
@@ -132,7 +138,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _train_or_evaluate(command: str, argv: Sequence[str]) -> None:
+    """`train` and `evaluate` take ml_collections config flags: --config=FILE[:arg] --config.x=v."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    flag_values = flags.FlagValues()
+    config_flags.DEFINE_config_file(
+        "config", None, "configs/X.py[:variant]", flag_values=flag_values, lock_config=True
+    )
+    flags.DEFINE_string(
+        "workdir", None, "run directory (checkpoints, results)", flag_values=flag_values
+    )
+    try:
+        flag_values([f"ood-jax {command}", *argv])
+    except flags.Error as e:
+        raise SystemExit(f"error: {e}") from None
+    if flag_values.config is None or flag_values.workdir is None:
+        raise SystemExit(
+            f"usage: ood-jax {command} --config=configs/X.py[:arg] --workdir=DIR [--config.f=v]"
+        )
+
+    from ood_jax.train import train
+
+    run = train.train_and_evaluate if command == "train" else train.evaluate
+    run(flag_values.config, flag_values.workdir)
+    print((pathlib.Path(flag_values.workdir) / "results.md").read_text())
+
+
 def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("train", "evaluate"):
+        _train_or_evaluate(argv[0], argv[1:])
+        return
     args = build_parser().parse_args(argv)
     args.run(args)
 

@@ -1,0 +1,498 @@
+"""Detection input pipeline: TFDS records -> augmented, padded host batches -> global jax.Arrays.
+
+A batch is a flat dict of numpy arrays (B = per-host batch, S = `image_size`, M = `max_boxes`):
+
+  image       float32 [B, S, S, 3]  ImageNet-normalized; the resized image sits at the top-left
+                                    of an S x S canvas, zeros elsewhere.
+  image_mask  bool    [B, S, S]     True on real pixels, False on padding.
+  image_size  int32   [B, 2]        (height, width) of the resized image on the canvas.
+  orig_size   int32   [B, 2]        (height, width) of the source image as decoded.
+  boxes       float32 [B, M, 4]     normalized cxcywh RELATIVE TO THE UNPADDED IMAGE (the
+                                    `image_size` region), as DETR does; `boxes_on_canvas` maps them
+                                    to the S x S canvas, `coco_boxes` to source pixels.
+  labels      int32   [B, M]        class index (the dataset's ClassLabel).
+  box_mask    bool    [B, M]        True on real targets. Crowd boxes are never targets (DETR
+                                    drops iscrowd); nor are boxes a crop left empty. Beyond M
+                                    boxes the rest are dropped, in record order.
+  domain      int32   [B]
+  valid       bool    [B]           False on the dummy examples that fill eval's last batch.
+  image_id    int64   [B]           eval only; stays on the host (jax without x64 would
+                                    truncate it), for COCO output.
+
+Training (`train_dataset`) follows DETR's recipe: horizontal flip; with probability `crop_prob`
+a random crop (each side a uniform fraction in [`crop_min_fraction`, 1] of the image's side,
+standing in for DETR's resize-then-RandomSizeCrop(384, 600)) that clips boxes and drops those
+left empty; then a resize whose shorter side is drawn from `scales` with the longer side capped
+at `max_size`. Evaluation (`eval_dataset`) resizes the shorter side to `eval_size`, same cap.
+
+Determinism and resume. All randomness is stateless and derived from (seed, epoch, position in
+the epoch): the order of record files and the shuffle buffer's seed from (seed, epoch), each
+example's augmentation from (seed, epoch, position). Epochs follow one another without a gap,
+and a batch may straddle two. Hence the contract:
+
+    train_dataset(..., start_step=k) yields exactly the batches k, k+1, ... that
+    train_dataset(..., start_step=0) yields, for the same config, split and process layout.
+
+A resume starts directly at the right epoch; within it, the records before the resume point are
+read and shuffled but, being skipped before parsing, never decoded or augmented. Changing the
+seed, split, batch size, shuffle buffer or process count changes the sequence. (A global TF seed,
+`tf.random.set_seed`, also enters tf.data's shuffle and so must be the same on resume.)
+
+Typical use, on every host:
+
+    sharding = NamedSharding(mesh, PartitionSpec("data"))
+    batches = train_iterator(builder, "train_dim+train_snow", config, start_step=step)
+    for batch in global_iterator(batches, sharding):
+        state = train_step(state, batch)
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+import tensorflow as tf
+import tensorflow_datasets as tfds
+from jax.experimental import multihost_utils
+
+from ood_jax import boxes as box_lib
+
+Batch = dict[str, np.ndarray]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+# TFDS writes each split to its own files, so domains lie apart; reading this many files at once,
+# one record from each in turn, mixes them before the shuffle buffer does the rest.
+_FILE_CYCLE = 16
+_READ_BUFFER = 1 << 20  # Bytes per file read; records are whole JPEGs, so read in large chunks.
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """The pipeline's options with their defaults: DETR's recipe at demo resolution."""
+    config = ml_collections.ConfigDict()
+    config.image_size = 160  # S, the side of the square canvas every image is padded to.
+    config.max_size = 160  # Longest side after resizing; at most image_size.
+    config.scales = (96, 112, 128, 144, 160)  # Training: shorter side drawn from these.
+    config.eval_size = 160  # Evaluation: shorter side.
+    config.flip_prob = 0.5
+    config.crop_prob = 0.5  # DETR picks crop-then-resize or plain resize with equal odds.
+    config.crop_min_fraction = 0.5  # Crop sides are uniform in [this, 1] of the image's sides.
+    config.max_boxes = 100  # Targets per image, padded or truncated; DETR's num_queries.
+    config.batch_size = 16  # Global; each host gets batch_size / process_count.
+    config.seed = 0
+    config.shuffle_buffer = 1024  # Encoded examples held for shuffling.
+    return config
+
+
+def _checked(config: ml_collections.ConfigDict | None) -> ml_collections.ConfigDict:
+    """Defaults filled in and every field validated; errors name the field."""
+    merged = default_config()
+    if config is not None:
+        unknown = set(config.keys()) - set(merged.keys())
+        if unknown:
+            raise ValueError(f"unknown pipeline config field(s): {', '.join(sorted(unknown))}")
+        merged.update(config)
+    c = merged
+
+    def require(ok: bool, field: str, expected: str) -> None:
+        if not ok:
+            raise ValueError(f"config.{field}={c[field]!r}: expected {expected}")
+
+    require(c.image_size > 0, "image_size", "a positive number of pixels")
+    require(0 < c.max_size <= c.image_size, "max_size", f"in [1, image_size={c.image_size}]")
+    require(len(c.scales) > 0 and min(c.scales) > 0, "scales", "positive shorter-side sizes")
+    require(c.eval_size > 0, "eval_size", "a positive number of pixels")
+    require(0.0 <= c.flip_prob <= 1.0, "flip_prob", "a probability")
+    require(0.0 <= c.crop_prob <= 1.0, "crop_prob", "a probability")
+    require(0.0 < c.crop_min_fraction <= 1.0, "crop_min_fraction", "a fraction in (0, 1]")
+    require(c.max_boxes > 0, "max_boxes", "a positive count")
+    require(c.batch_size > 0, "batch_size", "a positive count")
+    require(c.shuffle_buffer > 0, "shuffle_buffer", "a positive count")
+    return c
+
+
+# ------------------------------------------------------------------------------------------------
+# Hosts and record files.
+# ------------------------------------------------------------------------------------------------
+
+
+def _process(process_index: int | None, process_count: int | None) -> tuple[int, int]:
+    index = jax.process_index() if process_index is None else process_index
+    count = jax.process_count() if process_count is None else process_count
+    if not 0 <= index < count:
+        raise ValueError(f"process_index={index} is not in [0, process_count={count})")
+    return index, count
+
+
+def host_split(
+    split: str, process_index: int | None = None, process_count: int | None = None
+) -> tfds.typing.SplitArg:
+    """This host's part of TFDS split expression `split` (current JAX process by default).
+
+    Every "+" term is divided evenly on its own, rather than the concatenation as a whole, so
+    each host sees every domain of a multi-domain split. Parts differ by at most one example
+    per term; none is dropped.
+    """
+    index, count = _process(process_index, process_count)
+    if count == 1:
+        return split
+    parts = [tfds.even_splits(term.strip(), count)[index] for term in split.split("+")]
+    return functools.reduce(operator.add, parts)
+
+
+def local_batch_size(batch_size: int, process_count: int | None = None) -> int:
+    """Per-host share of the global `batch_size`."""
+    _, count = _process(0, process_count)
+    if batch_size % count:
+        raise ValueError(f"batch_size={batch_size} is not divisible by process_count={count}")
+    return batch_size // count
+
+
+def _file_instructions(
+    builder: tfds.core.DatasetBuilder, split: tfds.typing.SplitArg
+) -> tuple[list[Any], int]:
+    """The (file, skip, take) pieces holding `split`, and its number of examples."""
+    if builder.info.file_format != tfds.core.FileFormat.TFRECORD:
+        raise ValueError(
+            f"{builder.name}: file_format {builder.info.file_format} is not supported; "
+            "the pipeline reads TFRecord files"
+        )
+    info = builder.info.splits[split]
+    return [fi for fi in info.file_instructions if fi.take > 0], info.num_examples
+
+
+def _read(instructions: list[Any], order: tf.Tensor, cycle: int) -> tf.data.Dataset:
+    """Serialized records of `instructions`, files taken in `order`, `cycle` files at a time."""
+    names = tf.constant([fi.filename for fi in instructions], tf.string)
+    skips = tf.constant([fi.skip for fi in instructions], tf.int64)
+    takes = tf.constant([fi.take for fi in instructions], tf.int64)
+    files = tf.data.Dataset.from_tensor_slices(
+        (tf.gather(names, order), tf.gather(skips, order), tf.gather(takes, order))
+    )
+    return files.interleave(
+        lambda name, skip, take: (
+            tf.data.TFRecordDataset(name, buffer_size=_READ_BUFFER).skip(skip).take(take)
+        ),
+        cycle_length=cycle,
+        block_length=1,
+        num_parallel_calls=tf.data.AUTOTUNE,
+        deterministic=True,
+    )
+
+
+def _decoded(builder: tfds.core.DatasetBuilder, record: tf.Tensor) -> dict[str, Any]:
+    example = builder.info.features.deserialize_example(
+        record, decoders={"image": tfds.decode.SkipDecoding()}
+    )
+    example["image"] = tf.io.decode_image(example["image"], channels=3, expand_animations=False)
+    return example
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-example transforms (graph code; boxes are normalized xyxy until `_targets`).
+# ------------------------------------------------------------------------------------------------
+
+
+def _random_crop(
+    image: tf.Tensor, boxes: tf.Tensor, key: tf.Tensor, c: ml_collections.ConfigDict
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """Crop (with probability crop_prob) and boxes clipped to it, still normalized to the crop."""
+    size_key, place_key, apply_key = tf.unstack(tf.random.experimental.stateless_split(key, 3))
+    hw = tf.shape(image)[:2]
+    fraction = tf.random.stateless_uniform([2], size_key, minval=c.crop_min_fraction, maxval=1.0)
+    crop = tf.maximum(tf.cast(tf.round(fraction * tf.cast(hw, tf.float32)), tf.int32), 1)
+    place = tf.random.stateless_uniform([2], place_key)
+    corner = tf.minimum(tf.cast(place * tf.cast(hw - crop + 1, tf.float32), tf.int32), hw - crop)
+    apply = tf.random.stateless_uniform([], apply_key) < c.crop_prob
+    corner = tf.where(apply, corner, 0)
+    crop = tf.where(apply, crop, hw)
+
+    image = tf.slice(image, tf.concat([corner, [0]], 0), tf.concat([crop, [-1]], 0))
+    height, width = tf.unstack(tf.cast(hw, tf.float32))
+    crop_h, crop_w = tf.unstack(tf.cast(crop, tf.float32))
+    y0, x0 = tf.unstack(tf.cast(corner, tf.float32))
+    absolute = box_lib.scale(boxes, height, width) - tf.stack([x0, y0, x0, y0])
+    clipped = box_lib.clip_xyxy(absolute, max_x=crop_w, max_y=crop_h)
+    return image, box_lib.unscale(clipped, crop_h, crop_w)
+
+
+def _resize(image: tf.Tensor, shorter: tf.Tensor, max_size: int) -> tuple[tf.Tensor, tf.Tensor]:
+    """Shorter side to `shorter`, longer side at most `max_size`; float32 [h, w, 3] and (h, w).
+
+    DETR's get_size rounds so the long side may pass max_size by a pixel; here it never does,
+    as the image must fit the canvas.
+    """
+    hw = tf.cast(tf.shape(image)[:2], tf.float32)
+    ratio = tf.minimum(
+        tf.cast(shorter, tf.float32) / tf.reduce_min(hw), max_size / tf.reduce_max(hw)
+    )
+    size = tf.clip_by_value(tf.cast(tf.round(hw * ratio), tf.int32), 1, max_size)
+    # Antialiasing keeps downscaling close to the PIL resize DETR trains with; upscaling gives
+    # the same pixels without it, at half the cost.
+    resized = tf.cond(
+        ratio < 1.0,
+        lambda: tf.image.resize(image, size, antialias=True),
+        lambda: tf.image.resize(image, size),
+    )
+    return resized, size
+
+
+def _canvas(image: tf.Tensor, size: tf.Tensor, canvas: int) -> tuple[tf.Tensor, tf.Tensor]:
+    """Normalized image padded with zeros to [canvas, canvas, 3], and its pixel mask."""
+    image = (image / 255.0 - IMAGENET_MEAN) / IMAGENET_STD
+    image = tf.image.pad_to_bounding_box(image, 0, 0, canvas, canvas)
+    rows = tf.range(canvas) < size[0]
+    cols = tf.range(canvas) < size[1]
+    return image, rows[:, None] & cols[None, :]
+
+
+def _targets(boxes: tf.Tensor, objects: Mapping[str, tf.Tensor], max_boxes: int) -> dict:
+    """Non-crowd, non-empty boxes as padded cxcywh targets with their mask."""
+    keep = (
+        tf.logical_not(objects["is_crowd"])
+        & (boxes[:, 2] > boxes[:, 0])
+        & (boxes[:, 3] > boxes[:, 1])
+    )
+    kept = tf.boolean_mask(boxes, keep)[:max_boxes]
+    labels = tf.boolean_mask(objects["label"], keep)[:max_boxes]
+    count = tf.shape(kept)[0]
+    pad = max_boxes - count
+    return {
+        "boxes": tf.ensure_shape(
+            tf.pad(box_lib.xyxy_to_cxcywh(kept), [[0, pad], [0, 0]]), [max_boxes, 4]
+        ),
+        "labels": tf.ensure_shape(tf.pad(tf.cast(labels, tf.int32), [[0, pad]]), [max_boxes]),
+        "box_mask": tf.range(max_boxes) < count,
+    }
+
+
+def _features(
+    example: Mapping[str, Any],
+    image: tf.Tensor,
+    size: tf.Tensor,
+    boxes: tf.Tensor,
+    c: ml_collections.ConfigDict,
+) -> dict[str, tf.Tensor]:
+    canvas, mask = _canvas(image, size, c.image_size)
+    return {
+        "image": canvas,
+        "image_mask": mask,
+        "image_size": size,
+        "orig_size": tf.shape(example["image"])[:2],
+        **_targets(boxes, example["objects"], c.max_boxes),
+        "domain": tf.cast(example["domain"], tf.int32),
+        "valid": tf.constant(True),
+    }
+
+
+def _train_example(
+    example: Mapping[str, Any], key: tf.Tensor, c: ml_collections.ConfigDict
+) -> dict[str, tf.Tensor]:
+    crop_key, scale_key, flip_key = tf.unstack(tf.random.experimental.stateless_split(key, 3))
+    boxes = box_lib.yxyx_to_xyxy(example["objects"]["bbox"])
+    image, boxes = _random_crop(example["image"], boxes, crop_key, c)
+    scales = tf.constant(c.scales, tf.int32)
+    shorter = scales[tf.random.stateless_uniform([], scale_key, 0, len(c.scales), tf.int32)]
+    image, size = _resize(image, shorter, c.max_size)
+    flip = tf.random.stateless_uniform([], flip_key) < c.flip_prob
+    image = tf.where(flip, tf.reverse(image, axis=[1]), image)
+    mirrored = tf.stack([1.0 - boxes[:, 2], boxes[:, 1], 1.0 - boxes[:, 0], boxes[:, 3]], -1)
+    boxes = tf.where(flip, mirrored, boxes)
+    return _features(example, image, size, boxes, c)
+
+
+def _eval_example(example: Mapping[str, Any], c: ml_collections.ConfigDict) -> dict:
+    image, size = _resize(example["image"], c.eval_size, c.max_size)
+    features = _features(example, image, size, box_lib.yxyx_to_xyxy(example["objects"]["bbox"]), c)
+    features["image_id"] = example["image/id"]
+    return features
+
+
+# ------------------------------------------------------------------------------------------------
+# Datasets.
+# ------------------------------------------------------------------------------------------------
+
+
+def train_dataset(
+    builder: tfds.core.DatasetBuilder,
+    split: str,
+    config: ml_collections.ConfigDict | None = None,
+    *,
+    start_step: int = 0,
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> tf.data.Dataset:
+    """Endless training batches of this host's part of `split`, starting at step `start_step`.
+
+    See the module docstring for the resume contract; `process_*` default to JAX's.
+    """
+    c = _checked(config)
+    index, count = _process(process_index, process_count)
+    batch = local_batch_size(c.batch_size, count)
+    part = host_split(split, index, count)
+    instructions, num_examples = _file_instructions(builder, part)
+    if num_examples == 0:
+        raise ValueError(f"split {split!r} has no examples for process {index} of {count}")
+    if start_step < 0:
+        raise ValueError(f"start_step={start_step} is negative")
+    first_epoch, offset = divmod(start_step * batch, num_examples)
+    num_files = len(instructions)
+
+    def epoch(e: tf.Tensor) -> tf.data.Dataset:
+        key = tf.random.experimental.stateless_fold_in(tf.constant([c.seed, 0], tf.int64), e)
+        files_key, buffer_key, augment_key = tf.unstack(
+            tf.random.experimental.stateless_split(key, 3)
+        )
+        order = tf.random.experimental.stateless_shuffle(tf.range(num_files), files_key)
+        buffer_seed = tf.random.stateless_uniform(
+            [], buffer_key, minval=None, maxval=None, dtype=tf.int64
+        )
+        records = _read(instructions, order, min(num_files, _FILE_CYCLE)).shuffle(
+            c.shuffle_buffer, seed=buffer_seed, reshuffle_each_iteration=False
+        )
+        return records.enumerate().map(
+            lambda position, record: (
+                tf.random.experimental.stateless_fold_in(augment_key, position),
+                record,
+            )
+        )
+
+    return (
+        tf.data.Dataset.counter(first_epoch)
+        .flat_map(epoch)
+        .skip(offset)
+        .map(
+            lambda key, record: _train_example(_decoded(builder, record), key, c),
+            num_parallel_calls=tf.data.AUTOTUNE,
+            deterministic=True,
+        )
+        .batch(batch, drop_remainder=True)
+        .prefetch(tf.data.AUTOTUNE)
+    )
+
+
+def train_iterator(
+    builder: tfds.core.DatasetBuilder,
+    split: str,
+    config: ml_collections.ConfigDict | None = None,
+    **kwargs: Any,
+) -> Iterator[Batch]:
+    """`train_dataset` as numpy batches."""
+    return train_dataset(builder, split, config, **kwargs).as_numpy_iterator()
+
+
+def num_eval_batches(
+    builder: tfds.core.DatasetBuilder,
+    split: str,
+    batch_size: int,
+    process_count: int | None = None,
+) -> int:
+    """Batches every host runs over `split`: enough for the host with the most examples."""
+    _, count = _process(0, process_count)
+    batch = local_batch_size(batch_size, count)
+    most = max(builder.info.splits[host_split(split, i, count)].num_examples for i in range(count))
+    return -(-most // batch)
+
+
+def eval_dataset(
+    builder: tfds.core.DatasetBuilder,
+    split: str,
+    config: ml_collections.ConfigDict | None = None,
+    *,
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> tf.data.Dataset:
+    """This host's part of `split` in record order, unaugmented, in `num_eval_batches` batches.
+
+    The last batches are filled with all-zero dummies whose `valid` is False, so every batch has
+    the same shape and every host runs the same number of steps.
+    """
+    c = _checked(config)
+    index, count = _process(process_index, process_count)
+    batch = local_batch_size(c.batch_size, count)
+    instructions, num_examples = _file_instructions(builder, host_split(split, index, count))
+    examples = _read(instructions, tf.range(len(instructions)), cycle=1).map(
+        lambda record: _eval_example(_decoded(builder, record), c),
+        num_parallel_calls=tf.data.AUTOTUNE,
+        deterministic=True,
+    )
+    dummy = tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), examples.element_spec)
+    fill = num_eval_batches(builder, split, c.batch_size, count) * batch - num_examples
+    return (
+        examples.concatenate(tf.data.Dataset.from_tensors(dummy).repeat(fill))
+        .batch(batch, drop_remainder=True)
+        .prefetch(tf.data.AUTOTUNE)
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Global arrays.
+# ------------------------------------------------------------------------------------------------
+
+
+def to_global_array(
+    batch: Mapping[str, np.ndarray], sharding: jax.sharding.NamedSharding
+) -> dict[str, jax.Array]:
+    """Per-host batches -> global arrays whose batch dim is sharded as `sharding` says.
+
+    `sharding` is typically `NamedSharding(mesh, PartitionSpec("data"))`; every host passes its
+    own local batch and gets arrays of the global batch.
+    """
+    arrays = {name: np.asarray(value) for name, value in batch.items()}
+    if not jax.config.jax_enable_x64:
+        for name, value in arrays.items():
+            if value.dtype in (np.int64, np.uint64):
+                raise ValueError(
+                    f"field {name!r} is {value.dtype}, which jax without x64 would truncate; "
+                    "keep it on the host"
+                )
+    return {
+        name: jax.make_array_from_process_local_data(sharding, value)
+        for name, value in arrays.items()
+    }
+
+
+def global_iterator(
+    batches: Iterable[Mapping[str, np.ndarray]], sharding: jax.sharding.NamedSharding
+) -> Iterator[dict[str, jax.Array]]:
+    """`to_global_array` over an iterator of host batches."""
+    for batch in batches:
+        yield to_global_array(batch, sharding)
+
+
+def to_host_local(array: jax.Array, sharding: jax.sharding.NamedSharding) -> np.ndarray:
+    """The rows of a global batch-sharded array that this host fed in, e.g. model outputs."""
+    local = multihost_utils.global_array_to_host_local_array(array, sharding.mesh, sharding.spec)
+    return np.asarray(local)
+
+
+# ------------------------------------------------------------------------------------------------
+# Box conventions.
+# ------------------------------------------------------------------------------------------------
+
+
+def boxes_on_canvas(boxes: np.ndarray, image_size: np.ndarray, canvas: int) -> np.ndarray:
+    """Normalized cxcywh relative to the unpadded image [..., M, 4] -> relative to the canvas.
+
+    `image_size` is the batch's [..., 2] (height, width); numpy or jax arrays.
+    """
+    size = image_size.astype(boxes.dtype)
+    absolute = box_lib.scale(boxes, size[..., None, 0], size[..., None, 1])
+    return box_lib.unscale(absolute, float(canvas), float(canvas))
+
+
+def coco_boxes(boxes: np.ndarray, orig_size: np.ndarray) -> np.ndarray:
+    """Model boxes [..., Q, 4] (normalized cxcywh, relative to the unpadded image) -> COCO.
+
+    Returns absolute [x, y, w, h] in source-image pixels, given the batch's `orig_size`
+    [..., 2] (height, width); numpy or jax arrays. Boxes are not clipped to the image, as in
+    DETR's post-processing.
+    """
+    size = orig_size.astype(boxes.dtype)
+    return box_lib.cxcywh_to_coco(boxes, size[..., None, 0], size[..., None, 1])

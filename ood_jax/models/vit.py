@@ -1,0 +1,168 @@
+"""Plain ViT backbone for detection.
+
+The encoder is the standard pre-norm ViT (timm's `VisionTransformer` with `global_pool="token"`,
+no layer scale, no register tokens): a patch-embedding convolution with stride = patch size, an
+optional class token, learned absolute position embeddings, pre-norm blocks (LayerNorm eps 1e-6,
+multi-head self-attention, exact-GELU MLP) and a final LayerNorm.
+
+`ViT.__call__(images [B, H, W, C], train=False)` returns `{"features": [B, H // p, W // p, D]}`:
+the normalized patch tokens as a feature map at stride `p`. The class token, when present, takes
+part in attention but is dropped from the output. Pixels past the last full patch are ignored, as
+in timm, so detection inputs should be padded to a multiple of `p`.
+
+Position embeddings are learned on a fixed grid (`pos_grid`, 14x14 for 224px pretraining) and are
+resampled at apply time to the input's patch grid with the antialiased interpolation of timm's
+`resample_abs_pos_embed` (what timm's `dynamic_img_size=True` does). Shapes are static under jit,
+so this costs one compilation per input resolution and works for any resolution.
+"""
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+LN_EPS = 1e-6
+
+# Standard patch-16 variants (Dosovitskiy et al. for B; DeiT's Ti and S).
+VARIANTS: dict[str, dict[str, int]] = {
+    "Ti/16": {"width": 192, "depth": 12, "num_heads": 3, "mlp_dim": 768, "patch_size": 16},
+    "S/16": {"width": 384, "depth": 12, "num_heads": 6, "mlp_dim": 1536, "patch_size": 16},
+    "B/16": {"width": 768, "depth": 12, "num_heads": 12, "mlp_dim": 3072, "patch_size": 16},
+}
+
+
+def resample_pos_embedding(
+    grid: jax.Array, size: tuple[int, int], method: str = "bicubic"
+) -> jax.Array:
+    """Resizes a position-embedding grid [gh, gw, D] to [size[0], size[1], D].
+
+    `method` is "bicubic" or "bilinear". jax.image.resize with antialias=True is torch's
+    `F.interpolate(..., antialias=True)` (Keys a=-0.5 cubic, support widened when downsampling),
+    which is what timm uses. Interpolation runs in float32 because the result is added to every
+    token and low-precision interpolation visibly perturbs it.
+    """
+    if tuple(grid.shape[:2]) == tuple(size):
+        return grid
+    out = jax.image.resize(
+        grid.astype(jnp.float32), (*size, grid.shape[-1]), method=method, antialias=True
+    )
+    return out.astype(grid.dtype)
+
+
+class MlpBlock(nn.Module):
+    """Dense -> exact GELU -> Dense, back to the input width."""
+
+    mlp_dim: int
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        init = nn.initializers.xavier_uniform()
+        y = nn.Dense(self.mlp_dim, dtype=self.dtype, kernel_init=init, name="fc1")(x)
+        y = nn.gelu(y, approximate=False)
+        return nn.Dense(x.shape[-1], dtype=self.dtype, kernel_init=init, name="fc2")(y)
+
+
+class EncoderBlock(nn.Module):
+    """Pre-norm transformer block with stochastic depth on both residual branches."""
+
+    num_heads: int
+    mlp_dim: int
+    drop_path_rate: float = 0.0
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
+        # Dropping whole residual branches per example: broadcasting the mask over tokens and
+        # channels turns dropout into timm's DropPath, including its 1 / (1 - rate) rescaling.
+        drop_path = nn.Dropout(self.drop_path_rate, broadcast_dims=(1, 2), deterministic=not train)
+        y = nn.LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name="norm1")(x)
+        y = nn.MultiHeadDotProductAttention(
+            num_heads=self.num_heads,
+            dtype=self.dtype,
+            kernel_init=nn.initializers.xavier_uniform(),
+            name="attn",
+        )(y)
+        x = x + drop_path(y)
+        y = nn.LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name="norm2")(x)
+        y = MlpBlock(self.mlp_dim, dtype=self.dtype, name="mlp")(y)
+        return x + drop_path(y)
+
+
+class ViT(nn.Module):
+    """ViT encoder returning a stride-`patch_size` feature map; see the module docstring.
+
+    Attributes:
+      width, depth, num_heads, mlp_dim, patch_size: the architecture (see `VARIANTS`).
+      class_token: prepend a learned class token (timm's default); its position embedding is the
+        first row of `pos_embedding` and is never resampled.
+      pos_grid: the (rows, cols) patch grid the position embeddings are stored at.
+      resample_method: "bicubic" (timm's default) or "bilinear".
+      drop_path_rate: stochastic depth, increasing linearly from 0 at the first block to this at
+        the last, as timm; needs a "dropout" rng when `train=True` and the rate is non-zero.
+      dtype: computation dtype; parameters stay float32.
+    """
+
+    width: int
+    depth: int
+    num_heads: int
+    mlp_dim: int
+    patch_size: int = 16
+    class_token: bool = True
+    pos_grid: tuple[int, int] = (14, 14)
+    resample_method: str = "bicubic"
+    drop_path_rate: float = 0.0
+    dtype: Any = jnp.float32
+
+    @property
+    def stride(self) -> int:
+        return self.patch_size
+
+    @nn.compact
+    def __call__(self, images: jax.Array, train: bool = False) -> dict[str, jax.Array]:
+        p = self.patch_size
+        x = nn.Conv(
+            self.width,
+            (p, p),
+            strides=(p, p),
+            padding="VALID",
+            dtype=self.dtype,
+            name="embedding",
+        )(images)
+        b, h, w, d = x.shape
+
+        num_prefix = int(self.class_token)
+        gh, gw = self.pos_grid
+        pos = self.param(
+            "pos_embedding",
+            nn.initializers.normal(stddev=0.02),
+            (1, num_prefix + gh * gw, d),
+        )
+        grid = resample_pos_embedding(
+            pos[0, num_prefix:].reshape(gh, gw, d), (h, w), self.resample_method
+        )
+        x = x.reshape(b, h * w, d) + grid.reshape(1, h * w, d).astype(x.dtype)
+        if self.class_token:
+            cls = self.param("cls", nn.initializers.zeros, (1, 1, d))
+            cls = (cls + pos[:, :num_prefix]).astype(x.dtype)
+            x = jnp.concatenate([jnp.broadcast_to(cls, (b, 1, d)), x], axis=1)
+
+        for i, rate in enumerate(np.linspace(0.0, self.drop_path_rate, self.depth)):
+            x = EncoderBlock(
+                self.num_heads,
+                self.mlp_dim,
+                drop_path_rate=float(rate),
+                dtype=self.dtype,
+                name=f"block_{i}",
+            )(x, train=train)
+        x = nn.LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name="norm")(x)
+        return {"features": x[:, num_prefix:].reshape(b, h, w, d)}
+
+
+def vit(variant: str, **kwargs: Any) -> ViT:
+    """`vit("B/16", drop_path_rate=0.1)`: a `VARIANTS` entry with any field overridden."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown ViT variant {variant!r}; known: {sorted(VARIANTS)}")
+    return ViT(**{**VARIANTS[variant], **kwargs})

@@ -1,0 +1,1 @@
+"""Training: the loop, sharding, checkpoints, export and the detector losses."""

@@ -1,0 +1,190 @@
+"""DETR's set-prediction loss with in-graph Hungarian matching (Carion et al., 2020).
+
+Each decoder output (the final one and every auxiliary one) is matched on its own to the targets
+with `optax.assignment.hungarian_algorithm`, vmapped over the batch, on DETR's cost
+
+    cost_class * -p(target class) + cost_bbox * L1(cxcywh) + cost_giou * -GIoU,
+
+and then supervised with softmax cross-entropy over `num_classes + 1` (the last class is
+"no object", weighted `eos_coef`), plus L1 and 1 - GIoU on the matched pairs. Everything has fixed
+shapes and stays on device: no host callbacks, no Python loops over examples.
+
+Padding. Targets come padded to `max_boxes` with a validity mask. With Q queries and M target
+slots, the matcher assigns every one of the M columns to one of N = max(Q, M) rows:
+
+  * Padded target columns cost `fill` for every query, where `fill` exceeds every real cost in
+    that image. A column whose cost is the same for every query adds the same amount to every
+    complete assignment, so it cannot change which queries the real targets get.
+  * When M > Q, N - Q dummy query rows of cost 0 are appended. A real query sitting on a padded
+    column while some real column is held by a dummy row could swap with it and lower the total
+    by `fill - cost > 0`, so the optimum gives real targets to real queries first: exactly
+    min(Q, R) of the R real targets are matched, optimally, as scipy's `linear_sum_assignment` on
+    the [Q, R] real costs.
+
+Non-finite costs (a diverged prediction) are replaced by `fill` as well, so such a pair is only
+used when nothing else is left, as transformers' matcher does.
+
+Normalization. The box terms are divided by the number of real boxes in the batch, at least 1,
+as DETR does across devices. Under `jax.jit` with sharded inputs the arrays are global, so the
+mask sum already counts every box on every device and host; only inside `shard_map`/`pmap`,
+where arrays are per-device, pass the global count as `num_boxes`. The classification term is the
+weighted mean over all queries of the batch, as torch's `cross_entropy(weight=...)`.
+"""
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from ood_jax import boxes as box_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class DetrLossConfig:
+    """Loss weights (`*_weight`) and matching-cost weights (`cost_*`); DETR's defaults."""
+
+    class_weight: float = 1.0
+    bbox_weight: float = 5.0
+    giou_weight: float = 2.0
+    eos_coef: float = 0.1
+    cost_class: float = 1.0
+    cost_bbox: float = 5.0
+    cost_giou: float = 2.0
+
+
+def matching_cost(
+    logits: jax.Array,
+    pred_boxes: jax.Array,
+    labels: jax.Array,
+    target_boxes: jax.Array,
+    config: DetrLossConfig = DetrLossConfig(),
+) -> jax.Array:
+    """DETR's matching cost for one image: [Q, C+1], [Q, 4], [M], [M, 4] -> [Q, M]."""
+    prob = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    pred_boxes = pred_boxes.astype(jnp.float32)
+    cost_class = -jnp.take(prob, labels, axis=-1)
+    cost_bbox = jnp.abs(pred_boxes[:, None, :] - target_boxes[None, :, :]).sum(-1)
+    cost_giou = -box_lib.pairwise_giou(
+        box_lib.cxcywh_to_xyxy(pred_boxes), box_lib.cxcywh_to_xyxy(target_boxes)
+    )
+    return (
+        config.cost_class * cost_class + config.cost_bbox * cost_bbox + config.cost_giou * cost_giou
+    )
+
+
+def hungarian_match(cost: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Optimal one-to-one matching of real targets to queries for one image.
+
+    Args:
+      cost: [Q, M] cost of giving target slot j to query i.
+      mask: [M] bool, True for real targets.
+
+    Returns:
+      query_index: [M] int32, the query matched to each target slot (meaningless where not matched).
+      matched: [M] bool, True for the real targets that got a query (all of them unless R > Q).
+    """
+    num_queries, num_slots = cost.shape
+    real = mask[None, :] & jnp.isfinite(cost)
+    fill = jnp.max(jnp.where(real, cost, -jnp.inf), initial=0.0) + 1.0
+    cost = jnp.where(real, cost, fill)
+    cost = jnp.pad(cost, ((0, max(num_slots - num_queries, 0)), (0, 0)))
+    # With at least as many rows as columns every column is assigned; rows come back in column
+    # order only for square problems, so scatter them into place.
+    rows, cols = optax.assignment.hungarian_algorithm(cost)
+    query_index = jnp.zeros(num_slots, jnp.int32).at[cols].set(rows.astype(jnp.int32))
+    return query_index, mask & (query_index < num_queries)
+
+
+def _level_losses(
+    logits: jax.Array,
+    pred_boxes: jax.Array,
+    targets: Mapping[str, jax.Array],
+    num_boxes: jax.Array,
+    config: DetrLossConfig,
+) -> dict[str, jax.Array]:
+    """Unweighted loss terms of one decoder output."""
+    labels, target_boxes, mask = targets["labels"], targets["boxes"], targets["mask"]
+    target_boxes = target_boxes.astype(jnp.float32)
+    cost = jax.vmap(functools.partial(matching_cost, config=config))(
+        logits, pred_boxes, labels, target_boxes
+    )
+    # The assignment is piecewise constant in the cost, and reverse-mode can't go through its
+    # while loops anyway.
+    query_index, matched = jax.vmap(hungarian_match)(jax.lax.stop_gradient(cost), mask)
+
+    num_queries, no_object = logits.shape[1], logits.shape[2] - 1
+    # Unmatched slots point past the last query, and mode="drop" discards them.
+    scatter_to = jnp.where(matched, query_index, num_queries)
+    target_classes = jax.vmap(
+        lambda to, lab: jnp.full((num_queries,), no_object, jnp.int32).at[to].set(lab, mode="drop")
+    )(scatter_to, labels.astype(jnp.int32))
+    log_prob = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(log_prob, target_classes[..., None], axis=-1)[..., 0]
+    class_w = jnp.where(target_classes == no_object, config.eos_coef, 1.0)
+    loss_ce = jnp.sum(class_w * nll) / jnp.sum(class_w)
+
+    src = jnp.take_along_axis(
+        pred_boxes.astype(jnp.float32),
+        jnp.minimum(query_index, num_queries - 1)[..., None],
+        axis=1,
+    )
+    l1 = jnp.abs(src - target_boxes).sum(-1)
+    giou = box_lib.elementwise_giou(
+        box_lib.cxcywh_to_xyxy(src), box_lib.cxcywh_to_xyxy(target_boxes)
+    )
+    return {
+        "loss_ce": loss_ce,
+        "loss_bbox": jnp.sum(jnp.where(matched, l1, 0.0)) / num_boxes,
+        "loss_giou": jnp.sum(jnp.where(matched, 1.0 - giou, 0.0)) / num_boxes,
+    }
+
+
+def detr_loss(
+    outputs: Mapping[str, jax.Array | Sequence[Mapping[str, jax.Array]]],
+    targets: Mapping[str, jax.Array],
+    config: DetrLossConfig = DetrLossConfig(),
+    num_boxes: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """DETR's total loss over the final and auxiliary decoder outputs.
+
+    Args:
+      outputs: "logits" [B, Q, C+1] (last class = no object), "boxes" [B, Q, 4] normalized
+        cxcywh, and optionally "aux": a list of {"logits", "boxes"} of the same shapes from
+        earlier decoder layers.
+      targets: "boxes" [B, M, 4] normalized cxcywh, "labels" [B, M] int in [0, C), "mask" [B, M]
+        bool, True for real targets.
+      config: loss and matching weights (hashable: bind it with functools.partial or pass it as
+        a static argument when jitting).
+      num_boxes: the box-loss normalizer; defaults to the number of real targets in `targets`,
+        which is the global count under jit (see the module docstring). Clamped to at least 1.
+
+    Returns:
+      (total, metrics): total = sum over outputs of class_weight * loss_ce + bbox_weight *
+      loss_bbox + giou_weight * loss_giou; metrics holds each unweighted term, named as
+      transformers' DETR does ("loss_ce", ..., and "loss_ce_0", ... for the i-th aux output).
+    """
+    if num_boxes is None:
+        num_boxes = jnp.sum(targets["mask"])
+    num_boxes = jnp.maximum(jnp.asarray(num_boxes, jnp.float32), 1.0)
+
+    # All decoder layers share one shape, so they are stacked and vmapped: the matcher's loops are
+    # traced and compiled once instead of once per layer.
+    levels = [outputs, *outputs.get("aux", ())]
+    level_losses = functools.partial(
+        _level_losses, targets=targets, num_boxes=num_boxes, config=config
+    )
+    terms = jax.vmap(level_losses)(
+        jnp.stack([out["logits"] for out in levels]), jnp.stack([out["boxes"] for out in levels])
+    )
+    total = jnp.sum(
+        config.class_weight * terms["loss_ce"]
+        + config.bbox_weight * terms["loss_bbox"]
+        + config.giou_weight * terms["loss_giou"]
+    )
+    metrics = {k: v[0] for k, v in terms.items()}
+    for i in range(len(levels) - 1):
+        metrics.update({f"{k}_{i}": v[i + 1] for k, v in terms.items()})
+    return total, metrics
