@@ -12,6 +12,7 @@ import json
 import math
 import os
 import pathlib
+import time
 from typing import Any
 
 import flax
@@ -248,6 +249,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     # ----------------------------------------------------------------------------------------
     meta = {"config": json.loads(config.to_json_best_effort())}
     pending: list[dict[str, jax.Array]] = []
+    started = time.perf_counter()
     for step in range(start_step + 1, config.total_steps + 1):
         host_batch = next(batches)
         batch = pipeline.to_global_array(
@@ -268,6 +270,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                 )
             summary["learning_rate"] = float(env["schedules"]["transformer"](step))
             writer.write_scalars(step, summary)
+            if _is_primary():
+                elapsed = time.perf_counter() - started
+                rate = (step - start_step) / elapsed
+                eta = (config.total_steps - step) / rate
+                print(
+                    f"step {step}/{config.total_steps}  loss {summary['loss']:.3f}  "
+                    f"{rate:.2f} steps/s  ETA {eta / 60:.1f} min",
+                    flush=True,
+                )
 
         ckpt.save(step, state, meta, force=step == config.total_steps)
 

@@ -1,0 +1,1 @@
+"""Detector backbones, detectors and checkpoint converters (Flax linen, NHWC)."""

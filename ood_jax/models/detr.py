@@ -1,0 +1,350 @@
+"""DETR (Carion et al., 2020): ResNet -> 1x1 projection -> post-norm transformer -> set prediction.
+
+`DETR.apply(variables, images [B, H, W, 3], pixel_mask=None, train=False)` returns
+  * "logits": [B, Q, num_classes + 1], the last class being "no object";
+  * "boxes":  [B, Q, 4], normalized cxcywh (sigmoid of a 3-layer MLP);
+  * "aux":    one {"logits", "boxes"} dict per decoder layer but the last, from the same heads.
+Outputs are float32 whatever the compute `dtype`. `train=True` needs a "dropout" rng, and with
+`backbone_norm="batch"` a mutable "batch_stats" collection.
+
+Images come normalized (ImageNet mean/std) and padded to one shape; `pixel_mask` [B, H, W] marks
+real pixels with 1. It is resized to the feature map by nearest neighbour, exactly as
+`F.interpolate(mask, size)` picks pixels, and it masks padded keys in every attention and sets
+the normalization of the sine position embedding.
+
+The layout follows the paper's code and transformers' `DetrForObjectDetection` (submodule names
+match the latter's, which keeps the converter's tables short): queries start at zero and the
+learned query embeddings are added to queries and keys of the decoder's self-attention and to
+the queries of its cross-attention; the sine embedding is added to queries and keys over the
+image; every sublayer is residual + LayerNorm (post-norm); the decoder output of every layer goes
+through one shared final LayerNorm before the heads.
+
+`norm_between_decoder_layers=True` reproduces transformers' decoder when its config has
+`auxiliary_loss=True`: there each layer's normalized output is what the next layer reads and
+the last one is normalized twice. The paper's decoder normalizes only what the heads read.
+Checkpoints trained that way need the flag to give their outputs; `detr_from_hf` sets it.
+"""
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ood_jax.models import resnet
+
+LN_EPS = 1e-5
+
+_xavier = nn.initializers.xavier_uniform()
+
+
+def nearest_indices(in_size: int, out_size: int) -> np.ndarray:
+    """Source index of each output position under torch's legacy "nearest" resize."""
+    # torch computes the scale in float32 and floors scale * index; so does this.
+    scale = np.float32(in_size) / np.float32(out_size)
+    idx = np.floor(np.arange(out_size, dtype=np.float32) * scale).astype(np.int32)
+    return np.minimum(idx, in_size - 1)
+
+
+def resize_mask(mask: jax.Array, size: tuple[int, int]) -> jax.Array:
+    """[B, H, W] -> [B, h, w] boolean, by `F.interpolate(mask, size)` (nearest) semantics."""
+    rows = nearest_indices(mask.shape[1], size[0])
+    cols = nearest_indices(mask.shape[2], size[1])
+    return mask[:, rows][:, :, cols].astype(bool)
+
+
+def sine_position_embedding(
+    mask: jax.Array,
+    num_features: int,
+    temperature: float = 10000.0,
+    scale: float = 2 * math.pi,
+) -> jax.Array:
+    """DETR's normalized sine embedding: [B, h, w] mask -> [B, h, w, 2 * num_features] float32.
+
+    Coordinates are cumulative counts of real pixels along each axis, divided by the count at
+    the row/column end (+1e-6) and scaled to (0, 2pi]; y features come before x features, and
+    within each the sines and cosines of the frequency pairs interleave.
+    """
+    mask = mask.astype(jnp.float32)
+    y = jnp.cumsum(mask, axis=1)
+    x = jnp.cumsum(mask, axis=2)
+    y = y / (y[:, -1:, :] + 1e-6) * scale
+    x = x / (x[:, :, -1:] + 1e-6) * scale
+    dim_t = jnp.arange(num_features, dtype=jnp.float32)
+    dim_t = temperature ** (2 * jnp.floor(dim_t / 2) / num_features)
+
+    def embed(coord: jax.Array) -> jax.Array:
+        angles = coord[..., None] / dim_t
+        pairs = jnp.stack([jnp.sin(angles[..., 0::2]), jnp.cos(angles[..., 1::2])], axis=-1)
+        return pairs.reshape(*coord.shape, num_features)
+
+    return jnp.concatenate([embed(y), embed(x)], axis=-1)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with separate query/key/value inputs and a key padding mask."""
+
+    num_heads: int
+    dropout: float = 0.0
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(
+        self,
+        query: jax.Array,
+        key: jax.Array,
+        value: jax.Array,
+        key_mask: jax.Array | None = None,
+        train: bool = False,
+    ) -> jax.Array:
+        dim = query.shape[-1]
+        if dim % self.num_heads:
+            raise ValueError(f"hidden_dim {dim} is not divisible by num_heads {self.num_heads}")
+        head_dim = dim // self.num_heads
+
+        def project(x: jax.Array, name: str) -> jax.Array:
+            y = nn.Dense(dim, dtype=self.dtype, kernel_init=_xavier, name=name)(x)
+            return y.reshape(*x.shape[:-1], self.num_heads, head_dim)
+
+        q = project(query, "q_proj")
+        k = project(key, "k_proj")
+        v = project(value, "v_proj")
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+        logits = logits * head_dim**-0.5
+        if key_mask is not None:
+            # The most negative finite value acts as -inf (its exp is exactly 0 next to any
+            # real key) but leaves a fully padded example uniform instead of NaN, so an
+            # all-padding filler example in a batch cannot poison the loss.
+            big_neg = jnp.finfo(jnp.float32).min
+            logits = jnp.where(key_mask[:, None, None, :], logits, big_neg)
+        weights = jax.nn.softmax(logits, axis=-1).astype(self.dtype)
+        weights = nn.Dropout(self.dropout)(weights, deterministic=not train)
+        out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(*query.shape[:-1], dim)
+        return nn.Dense(dim, dtype=self.dtype, kernel_init=_xavier, name="o_proj")(out)
+
+
+class FeedForward(nn.Module):
+    """Linear -> ReLU -> dropout -> linear."""
+
+    hidden_dim: int
+    dropout: float = 0.0
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
+        y = nn.Dense(self.hidden_dim, dtype=self.dtype, kernel_init=_xavier, name="fc1")(x)
+        y = nn.Dropout(self.dropout)(nn.relu(y), deterministic=not train)
+        return nn.Dense(x.shape[-1], dtype=self.dtype, kernel_init=_xavier, name="fc2")(y)
+
+
+class _Layer(nn.Module):
+    """Fields and the residual + LayerNorm step shared by encoder and decoder layers."""
+
+    num_heads: int
+    ffn_dim: int
+    dropout: float = 0.1
+    dtype: Any = jnp.float32
+
+    def attention(self, name: str) -> Attention:
+        return Attention(self.num_heads, self.dropout, self.dtype, name=name)
+
+    def add_norm(self, x: jax.Array, y: jax.Array, name: str, train: bool) -> jax.Array:
+        y = nn.Dropout(self.dropout)(y, deterministic=not train)
+        return nn.LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name=name)(x + y)
+
+    def feed_forward(self, x: jax.Array, train: bool) -> jax.Array:
+        y = FeedForward(self.ffn_dim, self.dropout, self.dtype, name="mlp")(x, train)
+        return self.add_norm(x, y, "final_layer_norm", train)
+
+
+class EncoderLayer(_Layer):
+    @nn.compact
+    def __call__(
+        self, x: jax.Array, pos: jax.Array, mask: jax.Array, train: bool = False
+    ) -> jax.Array:
+        qk = x + pos
+        y = self.attention("self_attn")(qk, qk, x, mask, train)
+        x = self.add_norm(x, y, "self_attn_layer_norm", train)
+        return self.feed_forward(x, train)
+
+
+class DecoderLayer(_Layer):
+    @nn.compact
+    def __call__(
+        self,
+        x: jax.Array,
+        query_pos: jax.Array,
+        memory: jax.Array,
+        pos: jax.Array,
+        mask: jax.Array,
+        train: bool = False,
+    ) -> jax.Array:
+        qk = x + query_pos
+        y = self.attention("self_attn")(qk, qk, x, None, train)
+        x = self.add_norm(x, y, "self_attn_layer_norm", train)
+        y = self.attention("encoder_attn")(x + query_pos, memory + pos, memory, mask, train)
+        x = self.add_norm(x, y, "encoder_attn_layer_norm", train)
+        return self.feed_forward(x, train)
+
+
+class Encoder(nn.Module):
+    num_layers: int
+    num_heads: int
+    ffn_dim: int
+    dropout: float = 0.1
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(
+        self, x: jax.Array, pos: jax.Array, mask: jax.Array, train: bool = False
+    ) -> jax.Array:
+        for i in range(self.num_layers):
+            layer = EncoderLayer(
+                self.num_heads, self.ffn_dim, self.dropout, self.dtype, name=f"layers_{i}"
+            )
+            x = layer(x, pos, mask, train)
+        return x
+
+
+class Decoder(nn.Module):
+    """Returns the normalized output of every layer, [num_layers, B, Q, D]."""
+
+    num_layers: int
+    num_heads: int
+    ffn_dim: int
+    dropout: float = 0.1
+    norm_between_layers: bool = False
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(
+        self,
+        query_pos: jax.Array,
+        memory: jax.Array,
+        pos: jax.Array,
+        mask: jax.Array,
+        train: bool = False,
+    ) -> jax.Array:
+        norm = nn.LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name="layernorm")
+        x = jnp.zeros_like(query_pos)
+        outputs = []
+        for i in range(self.num_layers):
+            layer = DecoderLayer(
+                self.num_heads, self.ffn_dim, self.dropout, self.dtype, name=f"layers_{i}"
+            )
+            x = layer(x, query_pos, memory, pos, mask, train)
+            outputs.append(norm(x))
+            if self.norm_between_layers:
+                x = outputs[-1]
+        if self.norm_between_layers:
+            outputs[-1] = norm(x)
+        return jnp.stack(outputs)
+
+
+class BoxHead(nn.Module):
+    """3-layer MLP to 4 box logits."""
+
+    hidden_dim: int
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for i in range(2):
+            x = nn.relu(nn.Dense(self.hidden_dim, dtype=self.dtype, name=f"layers_{i}")(x))
+        return nn.Dense(4, dtype=self.dtype, name="layers_2")(x)
+
+
+class DETR(nn.Module):
+    """DETR detector; see the module docstring.
+
+    Attributes:
+      num_classes: object classes, without the extra "no object" logit.
+      num_queries: object queries (detection slots).
+      hidden_dim, num_heads, ffn_dim, dropout: transformer width, heads, FFN width, dropout
+        (on attention weights, the FFN hidden layer and each residual branch).
+      num_encoder_layers, num_decoder_layers: transformer depth.
+      backbone: a name in `resnet.ARCHS`, built with `backbone_norm`, `dilation` and `dtype`;
+        or a configured `resnet.ResNet` for non-standard widths, used as it is.
+      backbone_norm: "frozen" (the paper's choice) or "batch".
+      dilation: DC5 (last backbone stage dilated, features at stride 16).
+      norm_between_decoder_layers: transformers' `auxiliary_loss=True` decoder; see above.
+      dtype: compute dtype; parameters stay float32.
+    """
+
+    num_classes: int
+    num_queries: int = 100
+    hidden_dim: int = 256
+    num_heads: int = 8
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    ffn_dim: int = 2048
+    dropout: float = 0.1
+    backbone: str | resnet.ResNet = "resnet50"
+    backbone_norm: resnet.Norm = "frozen"
+    dilation: bool = False
+    norm_between_decoder_layers: bool = False
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(
+        self, images: jax.Array, pixel_mask: jax.Array | None = None, train: bool = False
+    ) -> dict[str, Any]:
+        if isinstance(self.backbone, resnet.ResNet):
+            backbone = self.backbone
+        else:
+            backbone = resnet.build(
+                self.backbone,
+                norm=self.backbone_norm,
+                dilation=self.dilation,
+                dtype=self.dtype,
+                name="backbone",
+            )
+        features = backbone(images, train)["stage4"]
+        batch, height, width, _ = features.shape
+
+        if pixel_mask is None:
+            pixel_mask = jnp.ones(images.shape[:3], bool)
+        mask = resize_mask(pixel_mask, (height, width))
+        pos = sine_position_embedding(mask, self.hidden_dim // 2).astype(self.dtype)
+        pos = pos.reshape(batch, height * width, self.hidden_dim)
+        mask = mask.reshape(batch, height * width)
+
+        src = nn.Conv(self.hidden_dim, (1, 1), dtype=self.dtype, name="input_projection")(features)
+        src = src.reshape(batch, height * width, self.hidden_dim)
+        memory = Encoder(
+            self.num_encoder_layers,
+            self.num_heads,
+            self.ffn_dim,
+            self.dropout,
+            self.dtype,
+            name="encoder",
+        )(src, pos, mask, train)
+
+        query_pos = nn.Embed(
+            self.num_queries,
+            self.hidden_dim,
+            embedding_init=nn.initializers.normal(1.0),
+            dtype=self.dtype,
+            name="query_position_embeddings",
+        )(jnp.arange(self.num_queries))
+        query_pos = jnp.broadcast_to(query_pos, (batch, *query_pos.shape))
+        hidden = Decoder(
+            self.num_decoder_layers,
+            self.num_heads,
+            self.ffn_dim,
+            self.dropout,
+            self.norm_between_decoder_layers,
+            self.dtype,
+            name="decoder",
+        )(query_pos, memory, pos, mask, train)
+
+        logits = nn.Dense(self.num_classes + 1, dtype=self.dtype, name="class_labels_classifier")(
+            hidden
+        ).astype(jnp.float32)
+        boxes = jax.nn.sigmoid(
+            BoxHead(self.hidden_dim, self.dtype, name="bbox_predictor")(hidden).astype(jnp.float32)
+        )
+        aux = [{"logits": logits[i], "boxes": boxes[i]} for i in range(self.num_decoder_layers - 1)]
+        return {"logits": logits[-1], "boxes": boxes[-1], "aux": aux}

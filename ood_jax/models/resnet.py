@@ -1,0 +1,232 @@
+"""ResNet / ResNeXt backbones in torchvision's "v1.5" layout, NHWC.
+
+`ResNet.__call__(images [B, H, W, 3], train=False)` returns every stage's feature map,
+`{"stage1": stride 4, "stage2": 8, "stage3": 16, "stage4": 32}` (stage4 at stride 16 with
+`dilation=True`), so a detector takes the levels it needs. The stride of a downsampling
+bottleneck sits in its 3x3 convolution, as in torchvision and timm; the projection shortcut
+exists where the channel count or the stride changes, as in torchvision, timm and transformers.
+
+`norm` picks the normalization:
+  * "batch": trainable BatchNorm (scale/bias in "params", running mean/var in "batch_stats",
+    updated when `train=True` with the "batch_stats" collection mutable).
+  * "frozen": BatchNorm with fixed statistics and affine, as detectors fine-tune ImageNet
+    backbones. All four tensors live in "batch_stats" rather than "params": an optimizer built
+    on params never sees them, and a train loop that already threads "batch_stats" needs no
+    special case. Nothing ever writes them back, so they stay as loaded.
+
+`dilation=True` replaces the last stage's stride with dilation 2 (DETR-DC5); its first block
+keeps dilation 1 in the convolution that used to stride, as torchvision and timm do.
+"""
+
+from typing import Any, Callable, ClassVar, Literal
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Norm = Literal["batch", "frozen"]
+
+BN_EPS = 1e-5
+
+# torchvision's `kaiming_normal_(mode="fan_out", nonlinearity="relu")`.
+_conv_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
+
+ARCHS: dict[str, dict[str, Any]] = {
+    "resnet18": dict(stage_sizes=(2, 2, 2, 2), block="basic"),
+    "resnet34": dict(stage_sizes=(3, 4, 6, 3), block="basic"),
+    "resnet50": dict(stage_sizes=(3, 4, 6, 3), block="bottleneck"),
+    "resnet101": dict(stage_sizes=(3, 4, 23, 3), block="bottleneck"),
+    "resnext101_32x4d": dict(
+        stage_sizes=(3, 4, 23, 3), block="bottleneck", groups=32, width_per_group=4
+    ),
+}
+
+
+class FrozenBatchNorm(nn.Module):
+    """y = x * scale / sqrt(var + eps) + (bias - mean * scale / sqrt(var + eps)), all fixed."""
+
+    epsilon: float = BN_EPS
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        shape = (x.shape[-1],)
+
+        def stat(name: str, init: Callable[..., jax.Array]) -> jax.Array:
+            return self.variable("batch_stats", name, init, shape, jnp.float32).value
+
+        scale = stat("scale", jnp.ones) * jax.lax.rsqrt(stat("var", jnp.ones) + self.epsilon)
+        # Folded into one multiply-add in float32, the order torchvision's and transformers'
+        # FrozenBatchNorm2d use, so converted checkpoints reproduce them to rounding.
+        shift = stat("bias", jnp.zeros) - stat("mean", jnp.zeros) * scale
+        return x * scale.astype(self.dtype) + shift.astype(self.dtype)
+
+
+def _norm(kind: Norm, train: bool, dtype: Any, name: str) -> nn.Module:
+    if kind == "frozen":
+        return FrozenBatchNorm(dtype=dtype, name=name)
+    # torch's momentum 0.1 is flax's 0.9 (flax weights the old value).
+    return nn.BatchNorm(
+        use_running_average=not train, momentum=0.9, epsilon=BN_EPS, dtype=dtype, name=name
+    )
+
+
+def _conv(
+    features: int,
+    kernel: int,
+    dtype: Any,
+    name: str,
+    stride: int = 1,
+    dilation: int = 1,
+    groups: int = 1,
+) -> nn.Conv:
+    pad = dilation * (kernel // 2)
+    return nn.Conv(
+        features,
+        (kernel, kernel),
+        strides=stride,
+        padding=((pad, pad), (pad, pad)),
+        kernel_dilation=dilation,
+        feature_group_count=groups,
+        use_bias=False,
+        dtype=dtype,
+        kernel_init=_conv_init,
+        name=name,
+    )
+
+
+class _Block(nn.Module):
+    """Shared fields of the two residual blocks."""
+
+    planes: int
+    stride: int = 1
+    first_dilation: int = 1
+    dilation: int = 1
+    groups: int = 1
+    width_per_group: int = 64
+    norm: Norm = "batch"
+    dtype: Any = jnp.float32
+
+    expansion: ClassVar[int] = 1
+
+    def shortcut(self, x: jax.Array, train: bool) -> jax.Array:
+        out = self.planes * self.expansion
+        if x.shape[-1] == out and self.stride == 1:
+            return x
+        x = _conv(out, 1, self.dtype, "proj_conv", stride=self.stride)(x)
+        return _norm(self.norm, train, self.dtype, "proj_norm")(x)
+
+
+class BasicBlock(_Block):
+    """Two 3x3 convolutions (ResNet-18/34)."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
+        if self.groups != 1 or self.width_per_group != 64:
+            raise ValueError("BasicBlock supports neither groups nor width_per_group")
+        y = _conv(self.planes, 3, self.dtype, "conv1", self.stride, self.first_dilation)(x)
+        y = nn.relu(_norm(self.norm, train, self.dtype, "norm1")(y))
+        y = _conv(self.planes, 3, self.dtype, "conv2", dilation=self.dilation)(y)
+        y = _norm(self.norm, train, self.dtype, "norm2")(y)
+        return nn.relu(y + self.shortcut(x, train))
+
+
+class Bottleneck(_Block):
+    """1x1 reduce, 3x3 (strided, grouped for ResNeXt), 1x1 expand by 4."""
+
+    expansion: ClassVar[int] = 4
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
+        width = self.planes * self.width_per_group // 64 * self.groups
+        y = _conv(width, 1, self.dtype, "conv1")(x)
+        y = nn.relu(_norm(self.norm, train, self.dtype, "norm1")(y))
+        y = _conv(
+            width, 3, self.dtype, "conv2", self.stride, self.first_dilation, groups=self.groups
+        )(y)
+        y = nn.relu(_norm(self.norm, train, self.dtype, "norm2")(y))
+        y = _conv(self.planes * self.expansion, 1, self.dtype, "conv3")(y)
+        y = _norm(self.norm, train, self.dtype, "norm3")(y)
+        return nn.relu(y + self.shortcut(x, train))
+
+
+BLOCKS: dict[str, type[_Block]] = {"basic": BasicBlock, "bottleneck": Bottleneck}
+
+
+class ResNet(nn.Module):
+    """ResNet trunk without classifier; see the module docstring.
+
+    Attributes:
+      stage_sizes: blocks per stage.
+      block: "basic" or "bottleneck".
+      planes: per-stage base width; a stage outputs planes * expansion channels.
+      stem_width: channels of the 7x7 stem convolution.
+      groups, width_per_group: ResNeXt cardinality and width (64 and 1 for plain ResNets).
+      norm: "batch" or "frozen".
+      dilation: dilate the last stage instead of striding (DC5).
+      dtype: compute dtype; parameters stay float32.
+    """
+
+    stage_sizes: tuple[int, ...]
+    block: str = "bottleneck"
+    planes: tuple[int, ...] = (64, 128, 256, 512)
+    stem_width: int = 64
+    groups: int = 1
+    width_per_group: int = 64
+    norm: Norm = "batch"
+    dilation: bool = False
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, images: jax.Array, train: bool = False) -> dict[str, jax.Array]:
+        if self.norm not in ("batch", "frozen"):
+            raise ValueError(f"norm must be 'batch' or 'frozen', got {self.norm!r}")
+        if self.block not in BLOCKS:
+            raise ValueError(f"block must be one of {sorted(BLOCKS)}, got {self.block!r}")
+        if len(self.planes) != len(self.stage_sizes):
+            raise ValueError(f"planes {self.planes} and stage_sizes {self.stage_sizes} differ")
+        block_cls = BLOCKS[self.block]
+
+        x = images.astype(self.dtype)
+        x = nn.Conv(
+            self.stem_width,
+            (7, 7),
+            strides=2,
+            padding=((3, 3), (3, 3)),
+            use_bias=False,
+            dtype=self.dtype,
+            kernel_init=_conv_init,
+            name="stem_conv",
+        )(x)
+        x = nn.relu(_norm(self.norm, train, self.dtype, "stem_norm")(x))
+        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+
+        features = {}
+        dilation = 1
+        last = len(self.stage_sizes) - 1
+        for i, (num_blocks, planes) in enumerate(zip(self.stage_sizes, self.planes)):
+            stride = 1 if i == 0 else 2
+            first_dilation = dilation
+            if self.dilation and i == last:
+                dilation, stride = dilation * stride, 1
+            for j in range(num_blocks):
+                x = block_cls(
+                    planes=planes,
+                    stride=stride if j == 0 else 1,
+                    first_dilation=first_dilation if j == 0 else dilation,
+                    dilation=dilation,
+                    groups=self.groups,
+                    width_per_group=self.width_per_group,
+                    norm=self.norm,
+                    dtype=self.dtype,
+                    name=f"stage{i + 1}_block{j}",
+                )(x, train)
+            features[f"stage{i + 1}"] = x
+        return features
+
+
+def build(arch: str, **overrides: Any) -> ResNet:
+    """A named architecture (a key of `ARCHS`) with field overrides, e.g. norm="frozen"."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown ResNet {arch!r}; known: {sorted(ARCHS)}")
+    return ResNet(**{**ARCHS[arch], **overrides})
