@@ -82,6 +82,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.checkpoint_every = 10 if smoke else 500
     config.keep_checkpoints = 3
 
+    config.distributed = False  # True on multi-host launches: jax.distributed.initialize()
     config.mesh = [("data", -1)]
     config.partition_rules = [(".*", "replicate")]
     return config

@@ -225,18 +225,28 @@ def resnet_from_torch(state_dict: Mapping[str, Any], module: resnet.ResNet) -> d
 
 
 def load_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """model.safetensors, else pytorch_model.bin (tensors only, never arbitrary pickles)."""
+    """Tensors from a checkpoint directory (model.safetensors, else pytorch_model.bin) or a
+    single .safetensors / .pth / .bin file; torch files are read with weights_only=True, never
+    as arbitrary pickles."""
     path = Path(path)
-    if (path / "model.safetensors").exists():
+    if path.is_dir():
+        candidates = [path / "model.safetensors", path / "pytorch_model.bin"]
+        path = next((c for c in candidates if c.exists()), None)
+        if path is None:
+            raise FileNotFoundError(
+                f"{candidates[0].parent}: neither model.safetensors nor pytorch_model.bin"
+            )
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such checkpoint file")
+    if path.suffix == ".safetensors":
         from safetensors.numpy import load_file
 
-        return load_file(path / "model.safetensors")
-    if (path / "pytorch_model.bin").exists():
-        import torch
+        return load_file(path)
+    import torch
 
-        state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        return {k: _numpy(v) for k, v in state.items()}
-    raise FileNotFoundError(f"{path}: neither model.safetensors nor pytorch_model.bin")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = state.get("state_dict", state.get("model", state))
+    return {k: _numpy(v) for k, v in state.items()}
 
 
 def _canonical_detr_key(key: str) -> str:

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ood_jax.models import resnet
+from ood_jax.models import resnet, vit
 
 LN_EPS = 1e-5
 
@@ -256,6 +256,21 @@ class BoxHead(nn.Module):
         return nn.Dense(4, dtype=self.dtype, name="layers_2")(x)
 
 
+def build_backbone(
+    backbone: str | resnet.ResNet | vit.ViT,
+    norm: resnet.Norm = "frozen",
+    dilation: bool = False,
+    dtype: Any = jnp.float32,
+    name: str | None = None,
+) -> nn.Module:
+    """A ResNet (`resnet.ARCHS`) or ViT (`vit.VARIANTS`) by name; a module is used as it is."""
+    if isinstance(backbone, (resnet.ResNet, vit.ViT)):
+        return backbone
+    if backbone in vit.VARIANTS:
+        return vit.vit(backbone, dtype=dtype, name=name)
+    return resnet.build(backbone, norm=norm, dilation=dilation, dtype=dtype, name=name)
+
+
 class DETR(nn.Module):
     """DETR detector; see the module docstring.
 
@@ -265,7 +280,8 @@ class DETR(nn.Module):
       hidden_dim, num_heads, ffn_dim, dropout: transformer width, heads, FFN width, dropout
         (on attention weights, the FFN hidden layer and each residual branch).
       num_encoder_layers, num_decoder_layers: transformer depth.
-      backbone: a name in `resnet.ARCHS`, built with `backbone_norm`, `dilation` and `dtype`;
+      backbone: a name in `resnet.ARCHS` (built with `backbone_norm`, `dilation` and `dtype`) or
+        in `vit.VARIANTS` (a plain ViT whose last feature map feeds the transformer);
         or a configured `resnet.ResNet` for non-standard widths, used as it is.
       backbone_norm: "frozen" (the paper's choice) or "batch".
       dilation: DC5 (last backbone stage dilated, features at stride 16).
@@ -281,7 +297,7 @@ class DETR(nn.Module):
     num_decoder_layers: int = 6
     ffn_dim: int = 2048
     dropout: float = 0.1
-    backbone: str | resnet.ResNet = "resnet50"
+    backbone: str | resnet.ResNet | vit.ViT = "resnet50"
     backbone_norm: resnet.Norm = "frozen"
     dilation: bool = False
     norm_between_decoder_layers: bool = False
@@ -291,17 +307,11 @@ class DETR(nn.Module):
     def __call__(
         self, images: jax.Array, pixel_mask: jax.Array | None = None, train: bool = False
     ) -> dict[str, Any]:
-        if isinstance(self.backbone, resnet.ResNet):
-            backbone = self.backbone
-        else:
-            backbone = resnet.build(
-                self.backbone,
-                norm=self.backbone_norm,
-                dilation=self.dilation,
-                dtype=self.dtype,
-                name="backbone",
-            )
-        features = backbone(images, train)["stage4"]
+        backbone = build_backbone(
+            self.backbone, self.backbone_norm, self.dilation, self.dtype, name="backbone"
+        )
+        features = backbone(images, train)
+        features = features["features"] if "features" in features else features["stage4"]
         batch, height, width, _ = features.shape
 
         if pixel_mask is None:

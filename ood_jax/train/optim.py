@@ -32,12 +32,16 @@ def make_optimizer(
     config: ml_collections.ConfigDict, params: Any, steps_per_epoch: float
 ) -> tuple[optax.GradientTransformation, dict[str, Any]]:
     """Returns (optimizer, {group: schedule}); parameters whose path matches
-    `config.backbone_pattern` use `config.backbone_lr`, the rest `config.lr`."""
-    pattern = re.compile(config.backbone_pattern)
+    `config.backbone_pattern` use `config.backbone_lr`, the rest `config.lr`, and those matching
+    `config.frozen_pattern` (DETR keeps the ImageNet stem and first stage fixed) are not trained."""
+    backbone = re.compile(config.backbone_pattern)
+    frozen = re.compile(config.get("frozen_pattern") or r"(?!)")
 
     def group(path, _):
         name = "/".join(str(getattr(k, "key", k)) for k in path)
-        return "backbone" if pattern.match(name) else "transformer"
+        if frozen.match(name):
+            return "frozen"
+        return "backbone" if backbone.match(name) else "transformer"
 
     labels = jax.tree_util.tree_map_with_path(group, params)
     schedules = {
@@ -48,6 +52,7 @@ def make_optimizer(
         name: optax.adamw(schedule, b1=config.b1, b2=config.b2, weight_decay=config.weight_decay)
         for name, schedule in schedules.items()
     }
+    groups["frozen"] = optax.set_to_zero()
     optimizer = optax.chain(
         optax.clip_by_global_norm(config.clip_norm), optax.multi_transform(groups, labels)
     )

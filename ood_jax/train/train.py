@@ -27,7 +27,7 @@ from absl import logging
 from clu import metric_writers, periodic_actions
 
 from ood_jax.data import building, counts, pipeline
-from ood_jax.models import registry
+from ood_jax.models import convert, convert_vit, detr, registry, vit
 from ood_jax.train import checkpoint, detection_eval, detr_loss, optim, sharding
 
 
@@ -124,6 +124,35 @@ def predict_step(state: TrainState, batch, *, model):
     return detection_eval.postprocess(outputs)
 
 
+def load_pretrained_backbone(state: TrainState, model_config, state_sharding) -> TrainState:
+    """Replaces the backbone with pretrained weights (torchvision/timm ResNet, timm ViT)."""
+    args = model_config.args
+    state_dict = convert.load_state_dict(model_config.backbone_weights)
+    if args.backbone in vit.VARIANTS:
+        _, variables = convert_vit.vit_from_timm(state_dict)
+    else:
+        module = detr.build_backbone(
+            args.backbone, args.get("backbone_norm", "frozen"), args.get("dilation", False)
+        )
+        variables = convert.resnet_from_torch(state_dict, module)
+    params = {**state.params, "backbone": variables["params"]}
+    model_state = dict(state.model_state)
+    if "batch_stats" in variables:
+        model_state["batch_stats"] = {
+            **model_state["batch_stats"],
+            "backbone": variables["batch_stats"],
+        }
+    loaded = state.replace(params=params, model_state=model_state)
+    expected = jax.tree.map(lambda x: x.shape, (state.params, state.model_state))
+    got = jax.tree.map(lambda x: np.shape(x), (loaded.params, loaded.model_state))
+    if expected != got:
+        raise ValueError(
+            f"config.model.backbone_weights: {model_config.backbone_weights} does not fit "
+            f"backbone {args.backbone!r} (shapes differ)"
+        )
+    return jax.device_put(loaded, state_sharding)
+
+
 def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path):
     """Everything train and evaluate share: mesh, data, model, sharded state, checkpoints."""
     if config.get("distributed", False):
@@ -158,6 +187,8 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path):
     abstract_state = jax.eval_shape(init, init_rng)
     state_sharding = sharding.tree_shardings(abstract_state, mesh, config.partition_rules)
     state = jax.jit(init, out_shardings=state_sharding)(init_rng)
+    if config.model.get("backbone_weights"):
+        state = load_pretrained_backbone(state, config.model, state_sharding)
 
     ckpt = checkpoint.Checkpointer(
         workdir, every_steps=config.checkpoint_every, keep=config.keep_checkpoints

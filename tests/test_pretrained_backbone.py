@@ -1,0 +1,86 @@
+"""ImageNet backbone weights enter a fresh train state, sharded, and misfits fail by name."""
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+import torch
+import torchvision
+
+from ood_jax.models import convert, detr, registry
+from ood_jax.train import optim, sharding, train
+
+
+def _model_config(backbone_weights):
+    config = ml_collections.ConfigDict()
+    config.name = "detr"
+    config.backbone_weights = str(backbone_weights)
+    config.args = dict(
+        num_classes=3,
+        num_queries=4,
+        hidden_dim=16,
+        num_heads=2,
+        num_encoder_layers=1,
+        num_decoder_layers=1,
+        ffn_dim=32,
+        backbone="resnet18",
+        backbone_norm="frozen",
+    )
+    return config
+
+
+def _state(model_config):
+    model = registry.build_model(model_config)
+    optim_config = ml_collections.ConfigDict(
+        dict(lr=1e-4, backbone_lr=1e-5, backbone_pattern="backbone/.*", frozen_pattern=None,
+             weight_decay=1e-4, clip_norm=0.1, b1=0.9, b2=0.999, decay_epochs=(), decay_factor=0.1)
+    )
+    image_shape = (64, 64, 3)
+    params = jax.eval_shape(
+        lambda r: model.init(r, np.zeros((1, *image_shape), np.float32))["params"],
+        jax.random.key(0),
+    )
+    optimizer, _ = optim.make_optimizer(optim_config, params, steps_per_epoch=10)
+    state = train.create_train_state(None, model, optimizer, jax.random.key(0), image_shape)
+    mesh = sharding.make_mesh([("data", -1)])
+    return state, sharding.tree_shardings(state, mesh, [(".*", "replicate")])
+
+
+def test_torchvision_weights_replace_the_backbone(tmp_path):
+    torch.manual_seed(0)
+    reference = torchvision.models.resnet18()
+    with torch.no_grad():
+        for bn in (m for m in reference.modules() if isinstance(m, torch.nn.BatchNorm2d)):
+            bn.running_mean.uniform_(-1, 1)
+            bn.running_var.uniform_(0.5, 2)
+    path = tmp_path / "resnet18.pth"
+    torch.save(reference.state_dict(), path)
+    model_config = _model_config(path)
+    state, shardings = _state(model_config)
+
+    loaded = train.load_pretrained_backbone(state, model_config, shardings)
+    expected = convert.resnet_from_torch(
+        {k: v.numpy() for k, v in reference.state_dict().items()},
+        detr.build_backbone("resnet18", "frozen"),
+    )
+    np.testing.assert_array_equal(
+        loaded.params["backbone"]["stem_conv"]["kernel"],
+        expected["params"]["stem_conv"]["kernel"],
+    )
+    np.testing.assert_array_equal(
+        loaded.model_state["batch_stats"]["backbone"]["stem_norm"]["mean"],
+        reference.bn1.running_mean.numpy(),
+    )
+    # The rest of the detector is untouched.
+    np.testing.assert_array_equal(
+        loaded.params["input_projection"]["kernel"], state.params["input_projection"]["kernel"]
+    )
+
+
+def test_wrong_architecture_fails_naming_the_file(tmp_path):
+    path = tmp_path / "resnet34.pth"
+    torch.save(torchvision.models.resnet34().state_dict(), path)
+    model_config = _model_config(path)
+    state, shardings = _state(model_config)
+    with pytest.raises((KeyError, ValueError), match="layer|resnet34|stage"):
+        train.load_pretrained_backbone(state, model_config, shardings)
