@@ -53,7 +53,7 @@ def test_coco_eval_names_bad_detection(case_files, tmp_path):
 
 def test_console_script_runs_demo():
     result = subprocess.run(
-        [sys.executable, "-m", "ood_jax.cli", "demo", "--images", "30", "--categories", "3"],
+        [sys.executable, "-m", "ood_jax.cli", "coco-demo", "--images", "30", "--categories", "3"],
         capture_output=True,
         text=True,
         check=True,

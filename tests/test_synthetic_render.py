@@ -267,7 +267,7 @@ def test_domain_effects_reach_objects():
         px, vis = [], []
         for ex in _examples(domain, n, size=112, seed=5, masks=True):
             img = ex["image"].astype(np.float32) / 255.0
-            for m, (x, y, w, h) in zip(ex["masks"], ex["boxes"]):
+            for m in ex["masks"]:
                 px.append(img[m].mean())
             vis.append(ex["area"] / (ex["boxes"][:, 2] * ex["boxes"][:, 3]))
         return np.mean(px), np.mean(np.concatenate(vis))

@@ -175,10 +175,13 @@ def _read(instructions: list[Any], order: tf.Tensor, cycle: int) -> tf.data.Data
     files = tf.data.Dataset.from_tensor_slices(
         (tf.gather(names, order), tf.gather(skips, order), tf.gather(takes, order))
     )
+
+    # Named functions rather than lambdas: AutoGraph cannot find a multi-line lambda's source.
+    def records(name: tf.Tensor, skip: tf.Tensor, take: tf.Tensor) -> tf.data.Dataset:
+        return tf.data.TFRecordDataset(name, buffer_size=_READ_BUFFER).skip(skip).take(take)
+
     return files.interleave(
-        lambda name, skip, take: (
-            tf.data.TFRecordDataset(name, buffer_size=_READ_BUFFER).skip(skip).take(take)
-        ),
+        records,
         cycle_length=cycle,
         block_length=1,
         num_parallel_calls=tf.data.AUTOTUNE,
@@ -356,19 +359,21 @@ def train_dataset(
         records = _read(instructions, order, min(num_files, _FILE_CYCLE)).shuffle(
             c.shuffle_buffer, seed=buffer_seed, reshuffle_each_iteration=False
         )
-        return records.enumerate().map(
-            lambda position, record: (
-                tf.random.experimental.stateless_fold_in(augment_key, position),
-                record,
-            )
-        )
+
+        def keyed(position: tf.Tensor, record: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+            return tf.random.experimental.stateless_fold_in(augment_key, position), record
+
+        return records.enumerate().map(keyed)
+
+    def example(key: tf.Tensor, record: tf.Tensor) -> dict[str, tf.Tensor]:
+        return _train_example(_decoded(builder, record), key, c)
 
     return (
         tf.data.Dataset.counter(first_epoch)
         .flat_map(epoch)
         .skip(offset)
         .map(
-            lambda key, record: _train_example(_decoded(builder, record), key, c),
+            example,
             num_parallel_calls=tf.data.AUTOTUNE,
             deterministic=True,
         )
@@ -417,8 +422,12 @@ def eval_dataset(
     index, count = _process(process_index, process_count)
     batch = local_batch_size(c.batch_size, count)
     instructions, num_examples = _file_instructions(builder, host_split(split, index, count))
+
+    def example(record: tf.Tensor) -> dict[str, tf.Tensor]:
+        return _eval_example(_decoded(builder, record), c)
+
     examples = _read(instructions, tf.range(len(instructions)), cycle=1).map(
-        lambda record: _eval_example(_decoded(builder, record), c),
+        example,
         num_parallel_calls=tf.data.AUTOTUNE,
         deterministic=True,
     )

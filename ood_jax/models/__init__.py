@@ -1,1 +1,150 @@
-"""Detector backbones, detectors and checkpoint converters (Flax linen, NHWC)."""
+"""Detector backbones, detectors and checkpoint converters (Flax linen, NHWC).
+
+`load_exported(path)` reads a detector written by `ood_jax.train.export` (format described
+there) and runs it without the training stack: nothing here imports optax, orbax or TensorFlow.
+
+    model = load_exported("detr.msgpack")
+    detections = model.predict(image_uint8)  # [H, W, 3] -> boxes (absolute xywh), scores, labels
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import serialization
+
+from ood_jax import boxes as box_lib
+from ood_jax.models import registry
+
+EXPORT_FORMAT_VERSION = 1
+
+Detections = dict[str, np.ndarray]
+
+
+def _forward(
+    module: nn.Module, variables: Mapping[str, Any], images: jax.Array, mask: jax.Array
+) -> dict[str, jax.Array]:
+    """Model, then DETR's post-processing: each query detects its most likely real class.
+
+    The same as `ood_jax.train.detection_eval.postprocess`, kept here because that module
+    brings in TensorFlow.
+    """
+    outputs = module.apply(variables, images, mask, train=False)
+    probs = jax.nn.softmax(outputs["logits"].astype(jnp.float32), axis=-1)[..., :-1]
+    return {
+        "scores": probs.max(-1),
+        "labels": probs.argmax(-1).astype(jnp.int32),
+        "boxes": outputs["boxes"].astype(jnp.float32),
+    }
+
+
+@dataclasses.dataclass
+class ExportedModel:
+    """An exported detector: the module, its variables and how its inputs were prepared.
+
+    `input_config` holds image_size, eval_size, max_size, mean and std (see
+    `ood_jax.train.export`); `predict` prepares images exactly as the evaluation pipeline does.
+    """
+
+    module: nn.Module
+    variables: dict[str, Any]
+    class_names: list[str] | None
+    input_config: dict[str, Any]
+    step: int
+    model_name: str | None = None
+
+    @functools.cached_property
+    def _predict_batch(self) -> Callable[..., dict[str, jax.Array]]:
+        return jax.jit(functools.partial(_forward, self.module))
+
+    def resized_size(self, height: int, width: int) -> tuple[int, int]:
+        """(h, w) of an image after the evaluation resize: shorter side to eval_size, capped.
+
+        Computed in float32 with round-half-to-even, as the tf.data pipeline does, so both give
+        the same size.
+        """
+        c = self.input_config
+        hw = np.array([height, width], np.float32)
+        ratio = min(np.float32(c["eval_size"]) / hw.min(), np.float32(c["max_size"]) / hw.max())
+        size = np.clip(np.round(hw * ratio).astype(np.int32), 1, c["max_size"])
+        return int(size[0]), int(size[1])
+
+    def preprocess(self, image: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        """uint8 [H, W, 3] -> normalized image on the padded canvas [S, S, 3] and its mask [S, S]."""
+        image = np.asarray(image)
+        if image.ndim != 3 or image.shape[-1] != 3:
+            raise ValueError(f"expected an image [H, W, 3], got shape {image.shape}")
+        c = self.input_config
+        height, width = self.resized_size(*image.shape[:2])
+        # Antialiasing only acts when downscaling, as in the pipeline's tf.image.resize.
+        resized = jax.image.resize(
+            jnp.asarray(image, jnp.float32), (height, width, 3), "bilinear", antialias=True
+        )
+        normalized = (resized / 255.0 - jnp.asarray(c["mean"])) / jnp.asarray(c["std"])
+        side = c["image_size"]
+        canvas = jnp.zeros((side, side, 3), jnp.float32).at[:height, :width].set(normalized)
+        mask = (jnp.arange(side) < height)[:, None] & (jnp.arange(side) < width)[None, :]
+        return canvas, mask
+
+    def predict(self, images: np.ndarray | Sequence[np.ndarray]) -> Detections | list[Detections]:
+        """Detections of one uint8 image [H, W, 3], or a list of them for a list of images
+        (or a [B, H, W, 3] array).
+
+        Each is {"boxes": [Q, 4] absolute [x, y, w, h] in the image's pixels, "scores": [Q],
+        "labels": [Q]}, one per query, unfiltered, as DETR's post-processing gives them. A list
+        runs as one batch (images of any sizes: each is padded to the canvas).
+        """
+        single = not isinstance(images, (list, tuple)) and np.ndim(images) == 3
+        batch = [images] if single else list(images)
+        prepared = [self.preprocess(image) for image in batch]
+        out = self._predict_batch(
+            self.variables,
+            jnp.stack([canvas for canvas, _ in prepared]),
+            jnp.stack([mask for _, mask in prepared]),
+        )
+        out = jax.device_get(out)
+        detections = []
+        for i, image in enumerate(batch):
+            height, width = np.asarray(image).shape[:2]
+            detections.append(
+                {
+                    "boxes": box_lib.cxcywh_to_coco(out["boxes"][i], float(height), float(width)),
+                    "scores": out["scores"][i],
+                    "labels": out["labels"][i],
+                }
+            )
+        return detections[0] if single else detections
+
+
+def load_exported(path: str | pathlib.Path) -> ExportedModel:
+    """The detector exported to `path` by `ood_jax.train.export.export`, ready for inference."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no exported model there")
+    try:
+        payload = serialization.msgpack_restore(path.read_bytes())
+    except Exception as e:
+        raise ValueError(f"{path}: not an exported model ({e})") from e
+    version = payload.get("format_version") if isinstance(payload, dict) else None
+    if version != EXPORT_FORMAT_VERSION:
+        raise ValueError(
+            f"{path}: format_version {version!r}; this ood_jax reads {EXPORT_FORMAT_VERSION}"
+        )
+    module = registry.build_model(ml_collections.ConfigDict(payload["model"]))
+    return ExportedModel(
+        module=module,
+        variables=jax.tree.map(jnp.asarray, payload["variables"]),
+        class_names=payload["class_names"],
+        input_config=payload["input"],
+        step=int(payload["step"]),
+        model_name=payload["model_name"],
+    )

@@ -1,0 +1,401 @@
+#!/usr/bin/env python
+"""Benchmark: our jitted DETR-R50 train step and inference next to transformers' PyTorch DETR.
+
+One process, one device, one input: a batch of random ImageNet-normalized images (default 2 at
+320x320, all pixels real) with 3 to 6 random target boxes each over 91 classes (+ no object),
+DETR-R50 with 100 queries and frozen BatchNorm, as in the paper. Timed:
+
+  * ours: `ood_jax.train.train.train_step` (forward, in-graph Hungarian matching over the final
+    and the 5 auxiliary decoder outputs, loss, backward, AdamW with clipping and the lower
+    backbone learning rate from `optim.make_optimizer`), jitted with the state donated; and
+    `train.predict_step` (forward + DETR's post-processing), jitted.
+  * torch: `transformers.DetrForObjectDetection` (timm resnet50 backbone, random init,
+    `auxiliary_loss=True` so its loss covers the same 6 decoder outputs): forward with labels ->
+    loss (scipy matching), backward, gradient clipping, `torch.optim.AdamW` with the same two
+    parameter groups; inference in eval mode under `torch.no_grad()` with the same
+    post-processing. `torch.set_num_threads(os.cpu_count())` unless `--torch-threads`.
+
+The weights are the same: the torch model is saved with `save_pretrained` and converted with
+`ood_jax.models.convert.detr_from_hf`, and the eval-mode outputs of both are compared once.
+transformers freezes the stem and layer1 of a timm ResNet (DETR's recipe); our trainer trains the
+whole backbone, so by default the benchmark unfreezes them in torch to time the same work
+(`--torch-freeze-stem` keeps transformers' default). Warm-up runs are excluded; our compile time
+is reported separately; each figure is the median of `--steps` timed runs, ours and torch
+alternating so that a change in the machine's load weighs on both.
+
+    python bench/detr_train_step.py [--steps 5] [--warmup 1] [--size 320] [--batch 2]
+                                    [--dtype float32|bfloat16] [--no-torch] [--torch-threads T]
+                                    [--torch-freeze-stem]
+
+`--no-torch` times only ours and never imports torch or transformers (for accelerators; the
+weights are then our own random init). The last line sums up the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+NUM_CLASSES = 91  # COCO's label space as DETR uses it; the model adds the "no object" logit
+NUM_QUERIES = 100
+MAX_BOXES = 8  # target slots per image; 3 to 6 of them real
+BACKBONE_LR, LR, WEIGHT_DECAY, CLIP_NORM = 1e-5, 1e-4, 1e-4, 0.1  # DETR's recipe
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=5, help="timed runs per measurement")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs after compiling")
+    parser.add_argument("--size", type=int, default=320, help="image height and width")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-torch", action="store_true", help="time only ours")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads (default: os.cpu_count()); on a loaded machine fewer "
+        "threads than cores can be much faster, as one descheduled thread stalls the others",
+    )
+    parser.add_argument(
+        "--torch-freeze-stem",
+        action="store_true",
+        help="keep transformers' frozen stem and layer1 (less backward work than ours)",
+    )
+    args = parser.parse_args()
+    if args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.size < 64:
+        parser.error("need --steps >= 1, --warmup >= 0, --batch >= 1, --size >= 64")
+    if args.torch_threads < 0:
+        parser.error("--torch-threads must be >= 0 (0: os.cpu_count())")
+    return args
+
+
+def _time(fns: dict[str, Callable[[], Any]], steps: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds of each of `steps` calls of every fn (each must block until done), after `warmup`.
+
+    The calls alternate between the fns, so a change in the machine's load during the run
+    weighs on all of them alike.
+    """
+    times = {name: [] for name in fns}
+    for i in range(warmup + steps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
+def _random_input(args: argparse.Namespace):
+    """Images [B, H, W, 3] float32, boxes [B, M, 4] cxcywh, labels [B, M], mask [B, M]."""
+    import numpy as np
+
+    rng = np.random.default_rng(args.seed)
+    images = rng.standard_normal((args.batch, args.size, args.size, 3), np.float32)
+    size = rng.uniform(0.05, 0.5, (args.batch, MAX_BOXES, 2))
+    center = rng.uniform(size / 2, 1 - size / 2)
+    boxes = np.concatenate([center, size], -1).astype(np.float32)
+    labels = rng.integers(0, NUM_CLASSES, (args.batch, MAX_BOXES)).astype(np.int32)
+    counts = rng.integers(3, 7, args.batch)
+    mask = np.arange(MAX_BOXES)[None, :] < counts[:, None]
+    return images, boxes, labels, mask
+
+
+def _optim_config():
+    import ml_collections
+
+    # Constant rates: one decay far beyond the run, no warm-up.
+    return ml_collections.ConfigDict(
+        {
+            "lr": LR,
+            "backbone_lr": BACKBONE_LR,
+            "backbone_pattern": r"backbone/.*",
+            "weight_decay": WEIGHT_DECAY,
+            "clip_norm": CLIP_NORM,
+            "b1": 0.9,
+            "b2": 0.999,
+            "decay_epochs": (200.0,),
+            "decay_factor": 0.1,
+            "warmup_steps": 0,
+        }
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# torch side
+# --------------------------------------------------------------------------------------------
+
+
+def _torch_model(args: argparse.Namespace):
+    import torch
+    import transformers
+
+    torch.manual_seed(args.seed)
+    config = transformers.DetrConfig(
+        use_timm_backbone=True,
+        backbone="resnet50",
+        use_pretrained_backbone=False,
+        num_labels=NUM_CLASSES,
+        num_queries=NUM_QUERIES,
+        auxiliary_loss=True,
+    )
+    model = transformers.DetrForObjectDetection(config)
+    if not args.torch_freeze_stem:
+        for p in model.parameters():
+            p.requires_grad_(True)
+    return model
+
+
+def _torch_runner(model, inputs, args: argparse.Namespace) -> dict[str, Any]:
+    """{"predict", "train"}: blocking callables; "detections" of the untrained weights."""
+    import torch
+
+    images, boxes, labels, mask = inputs
+    pixel_values = torch.from_numpy(images).permute(0, 3, 1, 2).contiguous()
+    pixel_mask = torch.ones(args.batch, args.size, args.size, dtype=torch.long)
+    targets = [
+        {
+            "class_labels": torch.from_numpy(labels[i][mask[i]]).long(),
+            "boxes": torch.from_numpy(boxes[i][mask[i]]),
+        }
+        for i in range(args.batch)
+    ]
+    backbone = [p for n, p in model.named_parameters() if n.startswith("model.backbone.")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("model.backbone.")]
+    optimizer = torch.optim.AdamW(
+        [{"params": backbone, "lr": BACKBONE_LR}, {"params": rest, "lr": LR}],
+        lr=LR,
+        weight_decay=WEIGHT_DECAY,
+    )
+
+    def predict():
+        model.eval()
+        with torch.no_grad():
+            out = model(pixel_values=pixel_values, pixel_mask=pixel_mask)
+            probs = out.logits.softmax(-1)[..., :-1]
+            scores, classes = probs.max(-1)
+        return scores, classes, out.pred_boxes
+
+    # Before any step changes the weights.
+    scores, _, pred_boxes = predict()
+
+    def step():
+        model.train()
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(pixel_values=pixel_values, pixel_mask=pixel_mask, labels=targets).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
+        optimizer.step()
+        return loss.detach()
+
+    losses = []
+    return {
+        "predict": predict,
+        "train": lambda: losses.append(step().item()),
+        "losses": losses,
+        "detections": {"scores": scores.numpy(), "boxes": pred_boxes.numpy()},
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# our side
+# --------------------------------------------------------------------------------------------
+
+
+def _our_runner(module, variables, inputs, args: argparse.Namespace) -> dict[str, Any]:
+    """As `_torch_runner`, plus the compile times of both jitted functions."""
+    import jax
+    import jax.numpy as jnp
+
+    from ood_jax.train import detr_loss, optim, train
+
+    images, boxes, labels, mask = inputs
+    batch = {
+        "image": jnp.asarray(images),
+        "image_mask": jnp.ones(images.shape[:3], bool),
+        "boxes": jnp.asarray(boxes),
+        "labels": jnp.asarray(labels),
+        "box_mask": jnp.asarray(mask),
+    }
+    params = variables["params"]
+    optimizer, _ = optim.make_optimizer(_optim_config(), params, steps_per_epoch=1000.0)
+    state = train.TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        model_state={k: v for k, v in variables.items() if k != "params"},
+        opt_state=jax.jit(optimizer.init)(params),
+    )
+    rng = jax.random.key(args.seed)
+
+    start = time.perf_counter()
+    predict = (
+        jax.jit(functools.partial(train.predict_step, model=module)).lower(state, batch).compile()
+    )
+    compile_predict = time.perf_counter() - start
+    detections = jax.device_get(predict(state, batch))
+
+    start = time.perf_counter()
+    step = (
+        jax.jit(
+            functools.partial(
+                train.train_step,
+                model=module,
+                optimizer=optimizer,
+                loss_config=detr_loss.DetrLossConfig(),
+            ),
+            donate_argnums=(0,),
+        )
+        .lower(state, batch, rng)
+        .compile()
+    )
+    compile_train = time.perf_counter() - start
+
+    # The train step donates the state it is given: predict has to read the current one.
+    current = [state]
+    losses = []
+
+    def run_step():
+        current[0], metrics = step(current[0], batch, rng)
+        losses.append(float(metrics["loss"]))  # blocks until the step is done
+
+    return {
+        "predict": lambda: jax.block_until_ready(predict(current[0], batch)),
+        "train": run_step,
+        "losses": losses,
+        "compile_train": compile_train,
+        "compile_predict": compile_predict,
+        "detections": detections,
+    }
+
+
+def _native_model(args: argparse.Namespace, dtype):
+    """Our DETR-R50 with our own random init (the --no-torch path)."""
+    import jax
+    import jax.numpy as jnp
+
+    from ood_jax.models import detr
+
+    module = detr.DETR(
+        num_classes=NUM_CLASSES,
+        num_queries=NUM_QUERIES,
+        backbone="resnet50",
+        backbone_norm="frozen",
+        norm_between_decoder_layers=True,  # as detr_from_hf builds transformers' aux-loss model
+        dtype=dtype,
+    )
+    images = jnp.zeros((1, args.size, args.size, 3), jnp.float32)
+    variables = jax.jit(module.init)(jax.random.key(args.seed), images)
+    return module, variables
+
+
+# --------------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------------
+
+
+def _summary(times: list[float]) -> str:
+    return f"{statistics.median(times):8.3f} [{min(times):.3f}-{max(times):.3f}]"
+
+
+def main() -> None:
+    args = _parse_args()
+    torch_threads = args.torch_threads or os.cpu_count()
+    if not args.no_torch:
+        # torch (and the timm/torchvision it drags in) must load before tensorflow, which
+        # ood_jax.train.train imports: triton segfaults when it loads after TF.
+        import timm  # noqa: F401
+        import torch
+        import torchvision  # noqa: F401
+
+        torch.set_num_threads(torch_threads)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    inputs = _random_input(args)
+    load = os.getloadavg()[0]
+
+    runners = {}
+    if args.no_torch:
+        module, variables = _native_model(args, dtype)
+        runners["ours"] = _our_runner(module, variables, inputs, args)
+    else:
+        from ood_jax.models import convert
+
+        model = _torch_model(args)
+        with tempfile.TemporaryDirectory() as tmp:
+            model.save_pretrained(tmp)
+            module, variables = convert.detr_from_hf(tmp, dtype=dtype)
+        runners["ours"] = _our_runner(module, variables, inputs, args)
+        runners["torch"] = _torch_runner(model, inputs, args)
+    # Inference first: the train steps change the weights.
+    times = {
+        key: _time({name: r[key] for name, r in runners.items()}, args.steps, args.warmup)
+        for key in ("predict", "train")
+    }
+    ours, theirs = runners["ours"], runners.get("torch")
+
+    device = jax.devices()[0]
+    print(
+        f"DETR-R50 train step and inference: batch {args.batch}, {args.size}x{args.size}, "
+        f"{NUM_CLASSES} classes + no object, {NUM_QUERIES} queries, frozen BN, aux loss on 6 "
+        f"decoder outputs; ours in {args.dtype} on {device.platform} ({device.device_kind})"
+    )
+    threads = "" if theirs is None else f" (torch threads {torch_threads})"
+    alternating = "" if theirs is None else ", ours and torch alternating"
+    print(
+        f"  {os.cpu_count()} CPU cores{threads}, load average {load:.1f} before / "
+        f"{os.getloadavg()[0]:.1f} after; median [min-max] of {args.steps} runs after "
+        f"{args.warmup} warm-up{alternating}"
+    )
+    print(
+        f"  ours compile: train step {ours['compile_train']:.1f} s, "
+        f"predict {ours['compile_predict']:.1f} s (not in the timings)"
+    )
+    if theirs is not None:
+        diff = {
+            k: float(np.abs(ours["detections"][k] - theirs["detections"][k]).max())
+            for k in ("scores", "boxes")
+        }
+        frozen = "frozen" if args.torch_freeze_stem else "trained (as ours)"
+        print(
+            f"  same weights: eval max |ours - torch| scores {diff['scores']:.1e}, boxes "
+            f"{diff['boxes']:.1e}; first-step loss ours {ours['losses'][0]:.4f}, torch "
+            f"{theirs['losses'][0]:.4f} (dropout differs); torch stem+layer1 {frozen}"
+        )
+    header = f"  {'':12s} {'ours (s)':>24s}"
+    if theirs is not None:
+        header += f" {'torch (s)':>24s} {'torch/ours':>11s}"
+    print(header)
+    rows = (("train", "train step"), ("predict", "inference"))
+    medians = {key: {n: statistics.median(t) for n, t in times[key].items()} for key, _ in rows}
+    for key, name in rows:
+        row = f"  {name:12s} {_summary(times[key]['ours']):>24s}"
+        if theirs is not None:
+            ratio = medians[key]["torch"] / medians[key]["ours"]
+            row += f" {_summary(times[key]['torch']):>24s} {ratio:10.2f}x"
+        print(row)
+
+    parts = []
+    for key, name in rows:
+        part = f"{name}: ours {medians[key]['ours']:.3f} s"
+        if theirs is not None:
+            ratio = medians[key]["torch"] / medians[key]["ours"]
+            part += f", torch {medians[key]['torch']:.3f} s, ratio torch/ours {ratio:.2f}"
+        parts.append(part)
+    print("; ".join(parts))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Multi-node GPU training under SLURM: one process per GPU, all in one jax.distributed job.
+#
+# Submit from the repository root (the job runs there: sbatch copies this script elsewhere):
+#
+#   sbatch --nodes=4 launch/slurm_multinode.sh configs/X.py /shared/runs/x [--config.f=v ...]
+#
+# `--config.distributed=True` makes the trainer call jax.distributed.initialize(), which reads
+# SLURM's variables itself: the coordinator is the first node of SLURM_STEP_NODELIST, the process
+# count SLURM_NTASKS, the process id SLURM_PROCID, and each process takes the GPU whose index is
+# its SLURM_LOCALID. So every task must see all of its node's GPUs: allocate them with --gres
+# (or --gpus-per-node) and never with --gpus-per-task or --gpu-bind, which would hide the GPU a
+# task is meant to use. Keep --ntasks-per-node equal to the GPUs per node.
+#
+# WORKDIR must be on a filesystem every node sees (checkpoints are written by all processes,
+# results by process 0). config.input.batch_size is the global batch; it must divide by the
+# number of processes. Rerunning the same command resumes from WORKDIR's newest checkpoint.
+#
+#SBATCH --job-name=ood-jax
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=8
+#SBATCH --gres=gpu:8
+#SBATCH --cpus-per-task=12
+#SBATCH --exclusive
+#SBATCH --time=24:00:00
+#SBATCH --output=%x-%j.out
+set -euo pipefail
+
+usage() {
+    cat <<EOF
+usage: sbatch [--nodes=N] [--ntasks-per-node=G --gres=gpu:G] \\
+           launch/slurm_multinode.sh CONFIG[:arg] WORKDIR [--config.FIELD=VALUE ...]
+
+  Run from the repository root. CONFIG must define config.distributed (set True here).
+  WORKDIR must be shared by all nodes.
+  Environment: VENV (default \$SLURM_SUBMIT_DIR/.venv; activated on every node if it exists).
+EOF
+}
+
+if [[ $# -ge 1 && ($1 == -h || $1 == --help) ]]; then
+    usage
+    exit 0
+fi
+if [[ -z ${SLURM_JOB_ID:-} ]]; then
+    echo "error: not inside a SLURM job; submit this script with sbatch" >&2
+    usage >&2
+    exit 2
+fi
+if [[ $# -lt 2 ]]; then
+    usage >&2
+    exit 2
+fi
+config=$1
+workdir=$2
+shift 2
+for arg in "$@"; do
+    if [[ $arg != --config.* ]]; then
+        echo "error: unexpected argument '$arg' (overrides look like --config.x=v)" >&2
+        exit 2
+    fi
+done
+
+cd "${SLURM_SUBMIT_DIR:?}"
+if [[ ! -f ${config%%:*} ]]; then
+    echo "error: config file ${config%%:*} not found under $PWD" >&2
+    exit 2
+fi
+venv=${VENV:-$PWD/.venv}
+if [[ -f $venv/bin/activate ]]; then
+    # shellcheck disable=SC1091
+    . "$venv/bin/activate"
+fi
+command -v ood-jax >/dev/null || {
+    echo "error: ood-jax not on PATH (set VENV or install the package)" >&2
+    exit 1
+}
+
+mkdir -p "$workdir"
+echo "job $SLURM_JOB_ID: $SLURM_JOB_NUM_NODES nodes ($SLURM_JOB_NODELIST), $SLURM_NTASKS processes"
+echo "train: $config -> $workdir $*"
+
+# --kill-on-bad-exit: one failed process would leave the others waiting in a collective forever.
+# --cpu-bind=none: the input pipeline's tf.data threads should use all of the task's cores.
+srun --kill-on-bad-exit=1 --cpu-bind=none \
+    ood-jax train --config="$config" --workdir="$workdir" --config.distributed=True "$@"

@@ -1,0 +1,232 @@
+"""Exported detectors (`ood_jax.train.export` -> `ood_jax.models.load_exported`).
+
+One short smoke run (2 steps, a checkpoint at each) is exported; the file must rebuild the model
+the run saved, prepare images as the evaluation pipeline does, load without the training stack,
+name bad files, and never be left half written.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import flax.linen as nn
+import jax
+import ml_collections
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+from ood_jax.data import pipeline
+from ood_jax.models import EXPORT_FORMAT_VERSION, load_exported, registry
+from ood_jax.train import checkpoint, train
+from ood_jax.train import export as export_lib
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CONFIG_FILE = REPO / "configs" / "synthetic_detr.py"
+TRAINING_STACK = ("optax", "orbax", "tensorflow", "tensorflow_datasets", "clu")
+
+
+def smoke_config(data_dir: pathlib.Path) -> ml_collections.ConfigDict:
+    spec = importlib.util.spec_from_file_location("synthetic_detr_config", CONFIG_FILE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config("smoke")
+    config.dataset.data_dir = str(data_dir)
+    config.total_steps = 2
+    config.checkpoint_every = 1
+    return config
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict[str, Any]:
+    """A 2-step smoke run, the variables it handed to each checkpoint save, and its export."""
+    config = smoke_config(tmp_path_factory.mktemp("tfds"))
+    workdir = tmp_path_factory.mktemp("run")
+    saved = {}
+    save = checkpoint.Checkpointer.save
+
+    def recording_save(self, step: int, state: Any, meta: dict, **kwargs: Any) -> bool:
+        # Copied before the save, as the next step donates the state's buffers.
+        variables = jax.device_get({"params": state.params, **state.model_state})
+        started = save(self, step, state, meta, **kwargs)
+        if started:
+            saved[step] = variables
+        return started
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(checkpoint.Checkpointer, "save", recording_save)
+        train.train_and_evaluate(config, str(workdir))
+    assert sorted(saved) == [1, 2]
+    out = export_lib.export(workdir, tmp_path_factory.mktemp("export") / "detr.msgpack")
+    return {"config": config, "workdir": workdir, "saved": saved, "exported": out}
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def apply(module: nn.Module, variables: Any, images: Any, mask: Any) -> dict[str, Any]:
+    return module.apply(variables, images, mask, train=False)
+
+
+def assert_trees_equal(actual: Any, expected: Any) -> None:
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for (path, a), e in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(np.asarray(a), e, err_msg=jax.tree_util.keystr(path))
+
+
+def test_exported_model_is_the_checkpointed_model(run):
+    config = run["config"]
+    model = load_exported(run["exported"])
+    assert model.step == 2
+    assert model.model_name == config.model_name
+    assert model.input_config == {
+        "image_size": 96,
+        "eval_size": 96,
+        "max_size": 96,
+        "mean": list(pipeline.IMAGENET_MEAN),
+        "std": list(pipeline.IMAGENET_STD),
+    }
+    builder = tfds.builder(config.dataset.name, data_dir=config.dataset.data_dir)
+    assert model.class_names == builder.info.features["objects"]["label"].names
+    assert len(model.class_names) == config.model.args.num_classes
+    assert_trees_equal(model.variables, run["saved"][2])
+
+    reference = registry.build_model(config.model)
+    assert model.module == reference
+    rng = np.random.default_rng(0)
+    images = rng.normal(size=(2, 96, 96, 3)).astype(np.float32)
+    mask = np.ones((2, 96, 96), bool)
+    mask[1, :, 70:] = False
+
+    ours = apply(model.module, model.variables, images, mask)
+    theirs = apply(reference, run["saved"][2], images, mask)
+    for name in ("logits", "boxes"):
+        np.testing.assert_allclose(ours[name], theirs[name], rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_export_of_a_given_step(run, tmp_path):
+    path = export_lib.export(
+        run["workdir"], tmp_path / "step1.msgpack", step=1, class_names=list("abcdefgh")
+    )
+    model = load_exported(path)
+    assert model.step == 1
+    assert model.class_names == list("abcdefgh")
+    assert_trees_equal(model.variables, run["saved"][1])
+    first, last = run["saved"][1]["params"], run["saved"][2]["params"]
+    assert any(
+        not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(last))
+    )
+
+
+def test_predict_prepares_images_as_the_eval_pipeline(run):
+    """Same canvas and mask as `pipeline.eval_dataset`, and detections in source pixels."""
+    config = run["config"]
+    model = load_exported(run["exported"])
+    builder = tfds.builder(config.dataset.name, data_dir=config.dataset.data_dir)
+    split = train.experiment_splits(config.dataset)["sky"]
+    eval_input = ml_collections.ConfigDict(config.input.to_dict())
+    eval_input.batch_size = 4
+    batch = next(pipeline.eval_dataset(builder, split, eval_input).as_numpy_iterator())
+    sources = {
+        int(ex["image/id"]): ex["image"]
+        for ex in builder.as_dataset(split=split, shuffle_files=False).as_numpy_iterator()
+    }
+    images = [sources[int(i)] for i in batch["image_id"]]
+    for image, canvas, mask in zip(images, batch["image"], batch["image_mask"]):
+        ours, our_mask = model.preprocess(image)
+        np.testing.assert_allclose(ours, canvas, rtol=0, atol=1e-4)
+        np.testing.assert_array_equal(our_mask, mask)
+
+    # Non-square images, upscaled and downscaled past max_size, through the pipeline's resize
+    # (private, but it is the definition being matched).
+    rng = np.random.default_rng(1)
+    for shape in [(40, 70, 3), (300, 150, 3)]:
+        image = rng.integers(0, 256, shape, np.uint8)
+        resized, size = pipeline._resize(tf.constant(image), config.input.eval_size, 96)
+        canvas, mask = pipeline._canvas(resized, size, 96)
+        ours, our_mask = model.preprocess(image)
+        assert model.resized_size(*shape[:2]) == tuple(size.numpy())
+        np.testing.assert_allclose(ours, canvas.numpy(), rtol=0, atol=1e-4)
+        np.testing.assert_array_equal(our_mask, mask.numpy())
+
+    detections = model.predict(images)
+    outputs = apply(model.module, model.variables, batch["image"], batch["image_mask"])
+    probs = np.asarray(jax.nn.softmax(outputs["logits"], axis=-1))[..., :-1]
+    expected_boxes = pipeline.coco_boxes(np.asarray(outputs["boxes"]), batch["orig_size"])
+    # The canvases agree to 1e-4 rather than bit for bit, hence the tolerances.
+    for i, found in enumerate(detections):
+        assert found["boxes"].shape == (config.model.args.num_queries, 4)
+        np.testing.assert_allclose(found["boxes"], expected_boxes[i], rtol=0, atol=1e-2)
+        np.testing.assert_allclose(found["scores"], probs[i].max(-1), rtol=0, atol=1e-4)
+
+
+def test_inference_does_not_import_the_training_stack(run):
+    code = textwrap.dedent(
+        f"""
+        import json, sys
+        import numpy as np
+        from ood_jax.models import load_exported
+
+        model = load_exported(sys.argv[1])
+        found = model.predict(np.zeros((50, 70, 3), np.uint8))
+        assert found["boxes"].shape == (model.module.num_queries, 4)
+        print(json.dumps(sorted({{m.split(".")[0] for m in sys.modules}} & {set(TRAINING_STACK)!r})))
+        """
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(run["exported"])],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+
+
+def test_bad_paths_are_named(run, tmp_path):
+    missing = tmp_path / "missing.msgpack"
+    with pytest.raises(FileNotFoundError, match="missing.msgpack"):
+        load_exported(missing)
+    garbage = tmp_path / "garbage.msgpack"
+    garbage.write_bytes(b"\xc1 not msgpack")
+    with pytest.raises(ValueError, match="garbage.msgpack"):
+        load_exported(garbage)
+    future = tmp_path / "future.msgpack"
+    future.write_bytes(export_lib.serialization.msgpack_serialize({"format_version": 99}))
+    with pytest.raises(
+        ValueError, match=f"future.msgpack: format_version 99.*{EXPORT_FORMAT_VERSION}"
+    ):
+        load_exported(future)
+
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        export_lib.export(tmp_path / "nowhere", tmp_path / "out.msgpack")
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint at step 7; there are \[1, 2\]"):
+        export_lib.export(run["workdir"], tmp_path / "out.msgpack", step=7)
+    with pytest.raises(ValueError, match="3 class names for config.model.args.num_classes=8"):
+        export_lib.export(run["workdir"], tmp_path / "out.msgpack", class_names=["a", "b", "c"])
+    assert not (tmp_path / "out.msgpack").exists()
+
+
+@pytest.mark.parametrize("failing", ["serialization.msgpack_serialize", "os.fsync"])
+def test_failed_export_leaves_the_old_file_and_no_partial_one(run, tmp_path, monkeypatch, failing):
+    out = tmp_path / "detr.msgpack"
+    out.write_bytes(b"previous export")
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    module, _, name = failing.rpartition(".")
+    monkeypatch.setattr(getattr(export_lib, module), name, fail)
+    with pytest.raises(OSError, match="disk full"):
+        export_lib.export(run["workdir"], out)
+    assert out.read_bytes() == b"previous export"
+    assert [p.name for p in tmp_path.iterdir()] == ["detr.msgpack"]
