@@ -96,16 +96,12 @@ def xyxy_to_xywh(b: Boxes) -> Boxes:
 
 def scale(b: Boxes, height: Size, width: Size) -> Boxes:
     """Normalized -> absolute for boxes with x at indices 0, 2 (xyxy, cxcywh, xywh)."""
-    return _stack(
-        [b[..., 0] * width, b[..., 1] * height, b[..., 2] * width, b[..., 3] * height], b
-    )
+    return _stack([b[..., 0] * width, b[..., 1] * height, b[..., 2] * width, b[..., 3] * height], b)
 
 
 def unscale(b: Boxes, height: Size, width: Size) -> Boxes:
     """Inverse of `scale`."""
-    return _stack(
-        [b[..., 0] / width, b[..., 1] / height, b[..., 2] / width, b[..., 3] / height], b
-    )
+    return _stack([b[..., 0] / width, b[..., 1] / height, b[..., 2] / width, b[..., 3] / height], b)
 
 
 def cxcywh_to_coco(b: Boxes, height: Size, width: Size) -> Boxes:

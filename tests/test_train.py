@@ -80,10 +80,10 @@ def child_env(compile_cache: str, devices: int | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["JAX_COMPILATION_CACHE_DIR"] = compile_cache
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    if devices is not None:
+    if devices is not None:  # simulated CPU devices
+        env["JAX_PLATFORMS"] = "cpu"
         flags.append(f"--xla_force_host_platform_device_count={devices}")
     env["XLA_FLAGS"] = " ".join(flags)
     return env
@@ -151,16 +151,16 @@ def run_a(tmp_path_factory, data_dir, compile_cache):
     workdir = tmp_path_factory.mktemp("run_a")
     argv = train_argv(workdir, data_dir, total_steps=RUN_A_STEPS, checkpoint_every=2, log_every=1)
     out = io.StringIO()
-    started = time.perf_counter()
-    # ml_collections' config flag finds --config.x=v overrides in sys.argv, not in the argv
-    # given to cli.main; see test_cli_main_applies_config_overrides_from_its_argv.
-    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
-        mp.setattr(sys, "argv", ["ood-jax", *argv])
+    with contextlib.redirect_stdout(out):
         cli.main(argv)
+    # A later test moves this workdir on to step 8; keep what the others check as it is now.
     return {
         "workdir": workdir,
         "stdout": out.getvalue(),
-        "seconds": time.perf_counter() - started,
+        "results": json.loads((workdir / "results.json").read_text()),
+        "results_md": (workdir / "results.md").read_text(),
+        "png": (workdir / "per_domain_ap.png").read_bytes(),
+        "checkpoints": checkpoint_steps(workdir),
         "final_state": load_state(workdir, RUN_A_STEPS),
     }
 
@@ -171,8 +171,7 @@ def run_a(tmp_path_factory, data_dir, compile_cache):
 
 
 def test_smoke_run_writes_results(run_a):
-    workdir, stdout = run_a["workdir"], run_a["stdout"]
-    results = json.loads((workdir / "results.json").read_text())
+    results, stdout = run_a["results"], run_a["stdout"]
     stat_names = set(coco.STAT_NAMES)
     assert len(stat_names) == 12
 
@@ -188,26 +187,22 @@ def test_smoke_run_writes_results(run_a):
         mean = np.mean([results["per_domain"][d][name] for d in counts.PAPER_TARGET_DOMAINS])
         assert results["ood_average"][name] == pytest.approx(mean)
 
-    markdown = (workdir / "results.md").read_text()
+    markdown = run_a["results_md"]
     assert f"Results at step {RUN_A_STEPS}" in markdown
     for domain in counts.PAPER_TARGET_DOMAINS:
         assert domain.capitalize() in markdown
     assert markdown.strip() in stdout  # the CLI prints the table at the end
-    assert (workdir / "per_domain_ap.png").read_bytes().startswith(PNG_MAGIC)
+    assert run_a["png"].startswith(PNG_MAGIC)
 
     logged = losses(stdout)
     assert sorted(logged) == list(range(1, RUN_A_STEPS + 1))
     assert all(math.isfinite(v) and v > 0 for v in logged.values()), logged
-    assert checkpoint_steps(workdir)[-1] == RUN_A_STEPS
+    assert run_a["checkpoints"][-1] == RUN_A_STEPS
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cli bug: config_flags.DEFINE_config_file looks for --config.x=v overrides in "
-    "sys.argv, not in the argv given to cli.main (pass sys_argv=[...] to it)",
-)
 def test_cli_main_applies_config_overrides_from_its_argv(tmp_path, data_dir, monkeypatch):
-    """`cli.main(argv)` honours --config.x=v in `argv`, whatever sys.argv holds."""
+    """`cli.main(argv)` honours --config.x=v in `argv`, whatever sys.argv holds (ml_collections
+    looks for overrides in sys.argv unless told otherwise)."""
     seen = {}
 
     def fake_train(config, workdir):
@@ -216,7 +211,6 @@ def test_cli_main_applies_config_overrides_from_its_argv(tmp_path, data_dir, mon
 
     monkeypatch.setattr(train, "train_and_evaluate", fake_train)
     monkeypatch.setattr(sys, "argv", ["pytest"])
-    tmp_path.mkdir(exist_ok=True)
     cli.main(train_argv(tmp_path, data_dir, total_steps=7))
     assert seen["config"].total_steps == 7
     assert seen["config"].dataset.data_dir == str(data_dir)
@@ -385,7 +379,7 @@ def test_killed_and_restarted_run_ends_like_an_uninterrupted_one(
 
 
 def test_raising_total_steps_continues_a_finished_run(run_a, data_dir):
-    """Run after the SIGKILL test: it moves run A on to step 8."""
+    """Moves run A on from step 6 to step 8 (the run_a fixture kept what other tests need)."""
     workdir, total = run_a["workdir"], RUN_A_STEPS + 2
     config = smoke_config(data_dir, total_steps=total, checkpoint_every=2, log_every=1)
     out = io.StringIO()
@@ -439,13 +433,14 @@ def test_non_finite_loss_stops_the_run_naming_the_step(tmp_path, data_dir, monke
 
 
 @pytest.mark.xfail(
+    raises=AssertionError,
     strict=True,
     reason="trainer bug: the loss is checked only every log_every steps, so checkpoints saved "
     "in between can hold NaN parameters and be reported as the last good one",
 )
 def test_non_finite_loss_between_log_steps_is_not_checkpointed(tmp_path, data_dir, monkeypatch):
     monkeypatch.setattr(pipeline, "train_iterator", poison_from(3))
-    config = smoke_config(data_dir, total_steps=6, checkpoint_every=1, log_every=4)
+    config = smoke_config(data_dir, total_steps=4, checkpoint_every=3, log_every=4)
     with pytest.raises(train.NonFiniteLossError) as error:
         train.train_and_evaluate(config, str(tmp_path))
     last = checkpoint_steps(tmp_path)[-1]

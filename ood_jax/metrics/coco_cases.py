@@ -230,9 +230,16 @@ def random_case(
         lim_c = np.where(vertical, W, H) - across
         pa = np.floor(rng.random(n_tw) * lim_a)
         pc = np.floor(rng.random(n_tw) * lim_c)
-        a_box = np.where(vertical[:, None], np.stack([pc, pa, across, along], 1), np.stack([pa, pc, along, across], 1))
-        step = np.where(vertical[:, None], np.stack([0 * shift, shift, 0 * shift, 0 * shift], 1),
-                        np.stack([shift, 0 * shift, 0 * shift, 0 * shift], 1))
+        a_box = np.where(
+            vertical[:, None],
+            np.stack([pc, pa, across, along], 1),
+            np.stack([pa, pc, along, across], 1),
+        )
+        step = np.where(
+            vertical[:, None],
+            np.stack([0 * shift, shift, 0 * shift, 0 * shift], 1),
+            np.stack([shift, 0 * shift, 0 * shift, 0 * shift], 1),
+        )
         g_box[twin] = a_box
         tw_box = a_box + 2 * step
         tw_det1 = a_box + step
@@ -288,7 +295,9 @@ def random_case(
     r_img = np.concatenate([g_img, member_img, g_img[dup], g_img[twin]])
     r_cat = np.concatenate([g_cat, member_cat, g_cat[dup], g_cat[twin]])
     r_box = np.concatenate([g_box, member_box, g_box[dup], tw_box])
-    r_exact = np.concatenate([exact, np.zeros(len(member_img), bool), exact[dup], np.zeros(n_tw, bool)])
+    r_exact = np.concatenate(
+        [exact, np.zeros(len(member_img), bool), exact[dup], np.zeros(n_tw, bool)]
+    )
     all_img = np.concatenate([r_img, crowd_img])
     all_cat = np.concatenate([r_cat, crowd_cat])
     all_box = np.concatenate([r_box, crowd_box])
@@ -304,7 +313,9 @@ def random_case(
     src = np.repeat(np.arange(n_r), k)
     n_j = len(src)
     sigma = rng.choice(
-        np.array([0.01, 0.03, 0.06, 0.1, 0.16, 0.25, 0.4]), n_j, p=[0.12, 0.2, 0.2, 0.18, 0.12, 0.1, 0.08]
+        np.array([0.01, 0.03, 0.06, 0.1, 0.16, 0.25, 0.4]),
+        n_j,
+        p=[0.12, 0.2, 0.2, 0.18, 0.12, 0.1, 0.08],
     )
     sb = r_box[src]
     jx = sb[:, 0] + rng.normal(0, 1, n_j) * sigma * sb[:, 2]
@@ -314,7 +325,9 @@ def random_case(
     j_box = np.stack([jx, jy, jw, jh], 1)
     j_img = r_img[src]
     j_cat = r_cat[src].copy()
-    j_score = np.clip(np.exp(-3.0 * sigma) * rng.uniform(0.55, 1.0, n_j) + rng.normal(0, 0.05, n_j), 0.001, 1.0)
+    j_score = np.clip(
+        np.exp(-3.0 * sigma) * rng.uniform(0.55, 1.0, n_j) + rng.normal(0, 0.05, n_j), 0.001, 1.0
+    )
     wrong = rng.random(n_j) < wrong_category_fraction
     if len(det_cats) > 1 and wrong.any():
         j_cat[wrong] = rng.choice(det_cats, int(wrong.sum()))
@@ -410,10 +423,18 @@ def random_case(
         big_score_list.append(rng.uniform(0.001, 1.0, n_e))
 
     # ------------------------------------------------------ all detections
-    d_img = np.concatenate([j_img, e_img, t_img, absorbed_img, b_img, *big_img_list]).astype(np.int64)
-    d_cat = np.concatenate([j_cat, e_cat, t_cat, absorbed_cat, b_cat, *big_cat_list]).astype(np.int64)
-    d_box = np.concatenate([j_box, e_box, t_box, absorbed_box, b_box, *big_box_list]).astype(np.float64)
-    d_score = np.concatenate([j_score, e_score, t_score, a_score, b_score, *big_score_list]).astype(np.float64)
+    d_img = np.concatenate([j_img, e_img, t_img, absorbed_img, b_img, *big_img_list]).astype(
+        np.int64
+    )
+    d_cat = np.concatenate([j_cat, e_cat, t_cat, absorbed_cat, b_cat, *big_cat_list]).astype(
+        np.int64
+    )
+    d_box = np.concatenate([j_box, e_box, t_box, absorbed_box, b_box, *big_box_list]).astype(
+        np.float64
+    )
+    d_score = np.concatenate([j_score, e_score, t_score, a_score, b_score, *big_score_list]).astype(
+        np.float64
+    )
     n_d = len(d_img)
 
     tie = rng.random(n_d) < tie_fraction
@@ -434,12 +455,15 @@ def random_case(
     images = [
         {"id": i, "width": w_, "height": h_, "file_name": f"{i:012d}.jpg"}
         for i, w_, h_ in zip(
-            image_ids[img_order].tolist(), img_w[img_order].astype(int).tolist(), img_h[img_order].astype(int).tolist()
+            image_ids[img_order].tolist(),
+            img_w[img_order].astype(int).tolist(),
+            img_h[img_order].astype(int).tolist(),
         )
     ]
     cat_order = rng.permutation(n_cat) if shuffle else np.arange(n_cat)
     categories = [
-        {"id": c, "name": f"category_{c}", "supercategory": "thing"} for c in cat_ids[cat_order].tolist()
+        {"id": c, "name": f"category_{c}", "supercategory": "thing"}
+        for c in cat_ids[cat_order].tolist()
     ]
     ann_order = rng.permutation(n_all) if shuffle else np.arange(n_all)
     annotations = [
@@ -512,7 +536,9 @@ def case_summary(gt: dict, detections: list[dict]) -> dict:
         "detections": len(detections),
         "crowd": sum(int(a["iscrowd"]) for a in anns),
         "images_without_gt": len(set(img_ids) - gt_img_ids),
-        "images_without_gt_or_dets": len(set(img_ids) - gt_img_ids - {d["image_id"] for d in detections}),
+        "images_without_gt_or_dets": len(
+            set(img_ids) - gt_img_ids - {d["image_id"] for d in detections}
+        ),
         "categories_without_gt": len(set(all_cat_ids) - gt_cat_ids),
         "categories_without_gt_with_dets": len((set(all_cat_ids) - gt_cat_ids) & det_cat_ids),
         "groups_over_100": sum(1 for v in groups.values() if v > 100),

@@ -23,7 +23,7 @@ import numpy as np
 from flax import serialization
 
 from ood_jax import boxes as box_lib
-from ood_jax.models import registry
+from ood_jax.models import detr, registry
 
 EXPORT_FORMAT_VERSION = 1
 
@@ -33,18 +33,8 @@ Detections = dict[str, np.ndarray]
 def _forward(
     module: nn.Module, variables: Mapping[str, Any], images: jax.Array, mask: jax.Array
 ) -> dict[str, jax.Array]:
-    """Model, then DETR's post-processing: each query detects its most likely real class.
-
-    The same as `ood_jax.train.detection_eval.postprocess`, kept here because that module
-    brings in TensorFlow.
-    """
-    outputs = module.apply(variables, images, mask, train=False)
-    probs = jax.nn.softmax(outputs["logits"].astype(jnp.float32), axis=-1)[..., :-1]
-    return {
-        "scores": probs.max(-1),
-        "labels": probs.argmax(-1).astype(jnp.int32),
-        "boxes": outputs["boxes"].astype(jnp.float32),
-    }
+    """Model, then DETR's post-processing."""
+    return detr.postprocess(module.apply(variables, images, mask, train=False))
 
 
 @dataclasses.dataclass

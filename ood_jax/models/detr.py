@@ -358,3 +358,13 @@ class DETR(nn.Module):
         )
         aux = [{"logits": logits[i], "boxes": boxes[i]} for i in range(self.num_decoder_layers - 1)]
         return {"logits": logits[-1], "boxes": boxes[-1], "aux": aux}
+
+
+def postprocess(outputs: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """DETR's post-processing: every query is a detection of its most likely real class."""
+    probs = jax.nn.softmax(outputs["logits"].astype(jnp.float32), axis=-1)[..., :-1]
+    return {
+        "scores": probs.max(-1),
+        "labels": probs.argmax(-1).astype(jnp.int32),
+        "boxes": outputs["boxes"].astype(jnp.float32),
+    }

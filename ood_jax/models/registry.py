@@ -14,7 +14,9 @@ MODELS = {
 
 def build_model(config: ml_collections.ConfigDict) -> nn.Module:
     if config.name not in MODELS:
-        raise ValueError(f"config.model.name: unknown model {config.name!r}; known: {sorted(MODELS)}")
+        raise ValueError(
+            f"config.model.name: unknown model {config.name!r}; known: {sorted(MODELS)}"
+        )
     module_name, _, class_name = MODELS[config.name].partition(":")
     cls = getattr(importlib.import_module(module_name), class_name)
     return cls(**config.get("args", {}))

@@ -12,7 +12,6 @@ import pathlib
 from typing import Any, Callable, Mapping
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import tensorflow as tf
@@ -64,16 +63,6 @@ def coco_ground_truth(builder: tfds.core.DatasetBuilder, split: str) -> coco.Gro
     return coco.GroundTruth.from_coco(
         {"images": images, "annotations": annotations, "categories": categories}
     )
-
-
-def postprocess(outputs: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    """DETR's post-processing: every query is a detection of its most likely real class."""
-    probs = jax.nn.softmax(outputs["logits"].astype(jnp.float32), axis=-1)[..., :-1]
-    return {
-        "scores": probs.max(-1),
-        "labels": probs.argmax(-1).astype(jnp.int32),
-        "boxes": outputs["boxes"].astype(jnp.float32),
-    }
 
 
 def evaluate_split(

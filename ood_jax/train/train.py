@@ -121,7 +121,7 @@ def predict_step(state: TrainState, batch, *, model):
         batch["image_mask"],
         train=False,
     )
-    return detection_eval.postprocess(outputs)
+    return detr.postprocess(outputs)
 
 
 def load_pretrained_backbone(state: TrainState, model_config, state_sharding) -> TrainState:
