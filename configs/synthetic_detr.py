@@ -47,6 +47,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     config.model = ml_collections.ConfigDict()
     config.model.name = "detr"
+    config.model.backbone_weights = ""  # none: pretrained on the training domains (below)
     config.model.args = ml_collections.ConfigDict()
     config.model.args.num_classes = 8
     config.model.args.num_queries = 10 if smoke else 16
@@ -60,6 +61,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Trained from scratch, so its BatchNorm statistics must be learned, not frozen.
     config.model.args.backbone_norm = "batch"
     config.model.args.dilation = True
+
+    # No ImageNet weights for synthetic classes: the backbone first learns, by multi-label
+    # classification on the training domains only, which classes an image shows.
+    config.pretrain = ml_collections.ConfigDict()
+    config.pretrain.steps = 0 if smoke else 400
+    config.pretrain.lr = 1e-3
+    config.pretrain.batch_size = 32
 
     config.optim = ml_collections.ConfigDict()
     config.optim.lr = 1e-4

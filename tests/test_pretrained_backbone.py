@@ -32,8 +32,18 @@ def _model_config(backbone_weights):
 def _state(model_config):
     model = registry.build_model(model_config)
     optim_config = ml_collections.ConfigDict(
-        dict(lr=1e-4, backbone_lr=1e-5, backbone_pattern="backbone/.*", frozen_pattern=None,
-             weight_decay=1e-4, clip_norm=0.1, b1=0.9, b2=0.999, decay_epochs=(), decay_factor=0.1)
+        dict(
+            lr=1e-4,
+            backbone_lr=1e-5,
+            backbone_pattern="backbone/.*",
+            frozen_pattern=None,
+            weight_decay=1e-4,
+            clip_norm=0.1,
+            b1=0.9,
+            b2=0.999,
+            decay_epochs=(),
+            decay_factor=0.1,
+        )
     )
     image_shape = (64, 64, 3)
     params = jax.eval_shape(
@@ -58,7 +68,7 @@ def test_torchvision_weights_replace_the_backbone(tmp_path):
     model_config = _model_config(path)
     state, shardings = _state(model_config)
 
-    loaded = train.load_pretrained_backbone(state, model_config, shardings)
+    loaded = train.load_pretrained_backbone(state, model_config.args, path, shardings)
     expected = convert.resnet_from_torch(
         {k: v.numpy() for k, v in reference.state_dict().items()},
         detr.build_backbone("resnet18", "frozen"),
@@ -83,4 +93,4 @@ def test_wrong_architecture_fails_naming_the_file(tmp_path):
     model_config = _model_config(path)
     state, shardings = _state(model_config)
     with pytest.raises((KeyError, ValueError), match="layer|resnet34|stage"):
-        train.load_pretrained_backbone(state, model_config, shardings)
+        train.load_pretrained_backbone(state, model_config.args, path, shardings)

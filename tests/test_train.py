@@ -432,12 +432,6 @@ def test_non_finite_loss_stops_the_run_naming_the_step(tmp_path, data_dir, monke
     assert not (tmp_path / "results.json").exists()
 
 
-@pytest.mark.xfail(
-    raises=AssertionError,
-    strict=True,
-    reason="trainer bug: the loss is checked only every log_every steps, so checkpoints saved "
-    "in between can hold NaN parameters and be reported as the last good one",
-)
 def test_non_finite_loss_between_log_steps_is_not_checkpointed(tmp_path, data_dir, monkeypatch):
     monkeypatch.setattr(pipeline, "train_iterator", poison_from(3))
     config = smoke_config(data_dir, total_steps=4, checkpoint_every=3, log_every=4)

@@ -27,6 +27,10 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    def should_save(self, step: int) -> bool:
+        """Whether `save(step, ...)` would save without `force`."""
+        return self._manager.should_save(step)
+
     def save(self, step: int, state: Any, meta: dict, *, force: bool = False) -> bool:
         """Saves if `step` is due (or `force`); returns whether a save started."""
         return self._manager.save(

@@ -25,10 +25,11 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 from absl import logging
 from clu import metric_writers, periodic_actions
+from flax import serialization
 
 from ood_jax.data import building, counts, pipeline
 from ood_jax.models import convert, convert_vit, detr, registry, vit
-from ood_jax.train import checkpoint, detection_eval, detr_loss, optim, sharding
+from ood_jax.train import checkpoint, detection_eval, detr_loss, optim, pretrain, sharding
 
 
 @flax.struct.dataclass
@@ -124,17 +125,23 @@ def predict_step(state: TrainState, batch, *, model):
     return detr.postprocess(outputs)
 
 
-def load_pretrained_backbone(state: TrainState, model_config, state_sharding) -> TrainState:
-    """Replaces the backbone with pretrained weights (torchvision/timm ResNet, timm ViT)."""
-    args = model_config.args
-    state_dict = convert.load_state_dict(model_config.backbone_weights)
-    if args.backbone in vit.VARIANTS:
-        _, variables = convert_vit.vit_from_timm(state_dict)
+def load_pretrained_backbone(
+    state: TrainState, model_args, path: str | pathlib.Path, state_sharding
+) -> TrainState:
+    """Replaces the backbone with pretrained weights: torchvision/timm ResNet or timm ViT
+    files, or the variables `pretrain.pretrain_backbone` writes (.msgpack)."""
+    path = pathlib.Path(path)
+    if path.suffix == ".msgpack":
+        variables = serialization.msgpack_restore(path.read_bytes())
+    elif model_args.backbone in vit.VARIANTS:
+        _, variables = convert_vit.vit_from_timm(convert.load_state_dict(path))
     else:
         module = detr.build_backbone(
-            args.backbone, args.get("backbone_norm", "frozen"), args.get("dilation", False)
+            model_args.backbone,
+            model_args.get("backbone_norm", "frozen"),
+            model_args.get("dilation", False),
         )
-        variables = convert.resnet_from_torch(state_dict, module)
+        variables = convert.resnet_from_torch(convert.load_state_dict(path), module)
     params = {**state.params, "backbone": variables["params"]}
     model_state = dict(state.model_state)
     if "batch_stats" in variables:
@@ -147,8 +154,8 @@ def load_pretrained_backbone(state: TrainState, model_config, state_sharding) ->
     got = jax.tree.map(lambda x: np.shape(x), (loaded.params, loaded.model_state))
     if expected != got:
         raise ValueError(
-            f"config.model.backbone_weights: {model_config.backbone_weights} does not fit "
-            f"backbone {args.backbone!r} (shapes differ)"
+            f"config.model.backbone_weights: {path} does not fit backbone "
+            f"{model_args.backbone!r} (shapes differ)"
         )
     return jax.device_put(loaded, state_sharding)
 
@@ -187,8 +194,13 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path):
     abstract_state = jax.eval_shape(init, init_rng)
     state_sharding = sharding.tree_shardings(abstract_state, mesh, config.partition_rules)
     state = jax.jit(init, out_shardings=state_sharding)(init_rng)
-    if config.model.get("backbone_weights"):
-        state = load_pretrained_backbone(state, config.model, state_sharding)
+    backbone_weights = config.model.get("backbone_weights")
+    if not backbone_weights and config.get("pretrain") and config.pretrain.steps:
+        backbone_weights = workdir / "backbone_pretrained.msgpack"
+        if not backbone_weights.exists():
+            pretrain.pretrain_backbone(config, builder, splits["train"], backbone_weights)
+    if backbone_weights:
+        state = load_pretrained_backbone(state, config.model.args, backbone_weights, state_sharding)
 
     ckpt = checkpoint.Checkpointer(
         workdir, every_steps=config.checkpoint_every, keep=config.keep_checkpoints
@@ -290,15 +302,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         pending.append(metrics)
         report(step)
 
-        if step % config.log_every == 0 or step == config.total_steps:
+        # A checkpoint must never hold a diverged state, so every step since the last log is
+        # checked before each save as well as at each log step; the error names the first one.
+        log_due = step % config.log_every == 0 or step == config.total_steps
+        if log_due or ckpt.should_save(step):
+            first = step - len(pending) + 1
+            for offset, m in enumerate(pending):
+                loss, grad_norm = float(m["loss"]), float(m["grad_norm"])
+                if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                    ckpt.wait()
+                    raise NonFiniteLossError(
+                        f"loss became {loss} (gradient norm {grad_norm}) at step "
+                        f"{first + offset}; the last good checkpoint (step "
+                        f"{ckpt.latest_step()}) is kept in {ckpt.directory}"
+                    )
+        if log_due:
             summary = {k: float(np.mean([m[k] for m in pending])) for k in pending[0]}
             pending = []
-            if not math.isfinite(summary["loss"]):
-                ckpt.wait()
-                raise NonFiniteLossError(
-                    f"loss became {summary['loss']} by step {step}; the last good checkpoint "
-                    f"(step {ckpt.latest_step()}) is kept in {ckpt.directory}"
-                )
             summary["learning_rate"] = float(env["schedules"]["transformer"](step))
             writer.write_scalars(step, summary)
             if _is_primary():
