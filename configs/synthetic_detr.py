@@ -65,7 +65,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # No ImageNet weights for synthetic classes: the backbone first learns, by multi-label
     # classification on the training domains only, which classes an image shows.
     config.pretrain = ml_collections.ConfigDict()
-    config.pretrain.steps = 0 if smoke else 400
+    config.pretrain.steps = 0 if smoke else 300
     config.pretrain.lr = 1e-3
     config.pretrain.batch_size = 32
 
