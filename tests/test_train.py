@@ -225,12 +225,12 @@ def test_cli_main_applies_config_overrides_from_its_argv(tmp_path, data_dir, mon
 # the first global batch of the pipeline, and saves the loss, metrics and state before and after.
 ONE_STEP = textwrap.dedent(
     """
-    import functools, importlib.util, json, pathlib, sys
+    import importlib.util, json, pathlib, sys
 
     import jax, ml_collections, numpy as np
 
     from ood_jax.data import pipeline
-    from ood_jax.train import detr_loss, train
+    from ood_jax.train import train
 
     config_file, data_dir, workdir, meshes = sys.argv[1:]
     spec = importlib.util.spec_from_file_location("config", config_file)
@@ -255,17 +255,7 @@ ONE_STEP = textwrap.dedent(
             {k: v for k, v in host.items() if k != "image_id"}, env["data_sharding"]
         )
         assert len(batch["image"].sharding.device_set) == devices
-        step = jax.jit(
-            functools.partial(
-                train.train_step,
-                model=env["model"],
-                optimizer=env["optimizer"],
-                loss_config=detr_loss.DetrLossConfig(**config.loss),
-            ),
-            in_shardings=(env["state_sharding"], env["data_sharding"], None),
-            out_shardings=(env["state_sharding"], None),
-            donate_argnums=(0,),
-        )
+        step = train.jit_train_step(config, env)
         before = flat({"params": env["state"].params, "model_state": env["state"].model_state})
         state, metrics = step(env["state"], batch, env["train_rng"])
         after = flat({"params": state.params, "model_state": state.model_state})

@@ -72,7 +72,7 @@ def _is_primary() -> bool:
     return jax.process_index() == 0
 
 
-def create_train_state(config, model, optimizer, rng, image_shape):
+def create_train_state(model, optimizer, rng, image_shape):
     """Initial state; jitted with out_shardings so it is born sharded."""
     images = jnp.zeros((1, *image_shape), jnp.float32)
     mask = jnp.ones((1, *image_shape[:2]), bool)
@@ -113,6 +113,21 @@ def train_step(state: TrainState, batch, rng, *, model, optimizer, loss_config):
         step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state
     )
     return state, metrics
+
+
+def jit_train_step(config: ml_collections.ConfigDict, env: dict[str, Any]):
+    """`train_step` jitted on the run's shardings, the state's buffers donated."""
+    return jax.jit(
+        functools.partial(
+            train_step,
+            model=env["model"],
+            optimizer=env["optimizer"],
+            loss_config=detr_loss.DetrLossConfig(**config.loss),
+        ),
+        in_shardings=(env["state_sharding"], env["data_sharding"], None),
+        out_shardings=(env["state_sharding"], None),
+        donate_argnums=(0,),
+    )
 
 
 def predict_step(state: TrainState, batch, *, model):
@@ -190,7 +205,7 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path):
         init_rng,
     )
     optimizer, schedules = optim.make_optimizer(config.optim, abstract_params, steps_per_epoch)
-    init = functools.partial(create_train_state, config, model, optimizer, image_shape=image_shape)
+    init = functools.partial(create_train_state, model, optimizer, image_shape=image_shape)
     abstract_state = jax.eval_shape(init, init_rng)
     state_sharding = sharding.tree_shardings(abstract_state, mesh, config.partition_rules)
     state = jax.jit(init, out_shardings=state_sharding)(init_rng)
@@ -272,17 +287,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         env["builder"], env["splits"]["train"], train_input, start_step=start_step
     )
 
-    step_fn = jax.jit(
-        functools.partial(
-            train_step,
-            model=env["model"],
-            optimizer=env["optimizer"],
-            loss_config=detr_loss.DetrLossConfig(**config.loss),
-        ),
-        in_shardings=(env["state_sharding"], env["data_sharding"], None),
-        out_shardings=(env["state_sharding"], None),
-        donate_argnums=(0,),
-    )
+    step_fn = jit_train_step(config, env)
     report = periodic_actions.ReportProgress(
         num_train_steps=config.total_steps, writer=writer, every_steps=config.log_every
     )
