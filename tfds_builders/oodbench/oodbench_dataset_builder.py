@@ -41,19 +41,10 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from ood_jax.data import building
+from ood_jax.eval import prompts
 
 SPLITS = {"ID": "id", "OOD-S": "ood_s", "OOD-H": "ood_h"}
 
-# The paper's two questions per instance, as in its released evaluation code.
-PRESENCE_QUESTION = "Does this image contain a {category}? (yes or no)"
-ABSENCE_QUESTION = "Does this image not contain a {category}? (yes or no)"
-# The paper words only the logical question (BAP paragraph); the other two are ours.
-EXISTENTIAL_QUESTION = "Is there a {category} in the image?"
-COUNTING_QUESTION = "How many {category} are there in the image?"
-LOGICAL_QUESTION = (
-    "Is the number of {first} in the image greater than the number of {second}? "
-    "Answer with 'yes' or 'no'"
-)
 LEVELS = ("existential", "counting", "logical")
 
 UNKNOWN_PRESENCE = "instances skipped: category neither annotated nor verified absent (LVIS)"
@@ -325,8 +316,8 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
                     self.report.notes[UNDEFINED_COUNT] += 1
                 name = source.categories[instance.category]
                 for kind, template, answer in (
-                    ("existential", PRESENCE_QUESTION, present),
-                    ("negated existential", ABSENCE_QUESTION, not present),
+                    ("existential", prompts.OODBENCH_PRESENCE_QUESTION, present),
+                    ("negated existential", prompts.OODBENCH_ABSENCE_QUESTION, not present),
                 ):
                     example = {
                         "category": name,
@@ -369,21 +360,23 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
             counts = [image.count(c) for c in pair]
             examples = []
             for category, name, count in zip(pair, names, counts):
-                question = EXISTENTIAL_QUESTION.format(category=_text(name))
+                question = prompts.BAP_EXISTENTIAL_QUESTION.format(category=_text(name))
                 examples.append(
                     (f"existential/{category}", _bap("existential", question, "yes", [name]))
                 )
                 if count is None:
                     self.report.notes[SKIPPED_COUNTING] += 1
                     continue
-                question = COUNTING_QUESTION.format(category=_text(name))
+                question = prompts.BAP_COUNTING_QUESTION.format(category=_text(name))
                 examples.append(
                     (f"counting/{category}", _bap("counting", question, str(count), [name]))
                 )
             if None in counts:
                 self.report.notes[SKIPPED_LOGICAL] += 1
             else:
-                question = LOGICAL_QUESTION.format(first=_text(names[0]), second=_text(names[1]))
+                question = prompts.BAP_LOGICAL_QUESTION.format(
+                    first=_text(names[0]), second=_text(names[1])
+                )
                 answer = "yes" if counts[0] > counts[1] else "no"
                 examples.append(
                     (f"logical/{pair[0]}/{pair[1]}", _bap("logical", question, answer, names))

@@ -1,0 +1,1 @@
+"""MLLM evaluation: the papers' prompt texts, reply parsing, clients and the evaluation runner."""

@@ -1,0 +1,114 @@
+"""Reading MLLM replies: option letters, yes/no, boxes and counts.
+
+`parse_choice` has two modes. "foci" is FOCI's released rule (the reply, stripped, begins with the
+letter, any case), kept to reproduce its numbers: it reads "Bengal" as B. "strict" takes a letter
+only where it stands as a token of its own, so free text that merely starts with a letter is no
+answer, and a reply naming two different letters is ambiguous. Both return None for no answer.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+
+_LETTERS = string.ascii_uppercase
+
+# Strict mode: the places where a letter counts as an answer; the letter is a pattern's one group
+# that matched.
+_STRICT_PATTERNS = (
+    # The whole reply is one letter, perhaps wrapped or punctuated: "B", "b.", "(C)", "**A**".
+    re.compile(r"^\W*([a-z])\W*$", re.IGNORECASE),
+    # A leading letter closed by a delimiter: "(C) golden retriever", "C. golden", "C) golden".
+    # A bare "A " is left out on purpose: it is the article in "A golden retriever".
+    re.compile(r"^\W*?[\(\[]([a-z])[\)\]]", re.IGNORECASE),
+    re.compile(r"^\W*([a-z])[\.\):](?:\s|$)", re.IGNORECASE),
+    # After an answer label: "Answer: D", "Answer Choice: [B]" (COUNTS' template), "answer is (C)".
+    # A bare letter there must end its line or meet punctuation: "The answer is a dog" is no "A".
+    re.compile(
+        r"\banswer(?:\s+choice)?\s*(?:is\s*)?[:\-]?\s*"
+        r"(?:[\(\[]([a-z])[\)\]]|([a-z])(?=[\.\),:;]|[ \t]*(?:\n|$)))",
+        re.IGNORECASE,
+    ),
+    # A letter in parentheses or brackets anywhere, not glued to a word ("dog(s)"): "I pick (B)".
+    re.compile(r"(?<![a-z0-9])[\(\[]([a-z])[\)\]]", re.IGNORECASE),
+)
+
+
+def parse_choice(text: str, num_options: int, mode: str = "strict") -> int | None:
+    """The chosen option's index (A -> 0) in a reply to a lettered multiple-choice prompt.
+
+    Returns None when no letter parses, when the letter is beyond `num_options`, or (strict) when
+    the reply names two different letters.
+    """
+    if not 1 <= num_options <= len(_LETTERS):
+        raise ValueError(f"num_options must be 1 to 26, got {num_options}")
+    if mode == "foci":
+        reply = text.strip().upper()
+        if reply and reply[0] in _LETTERS[:num_options]:
+            return _LETTERS.index(reply[0])
+        return None
+    if mode != "strict":
+        raise ValueError(f"mode must be 'strict' or 'foci', got {mode!r}")
+    letters = {
+        next(letter for letter in match.groups() if letter).upper()
+        for pattern in _STRICT_PATTERNS
+        for match in pattern.finditer(text.strip())
+    }
+    if len(letters) != 1:
+        return None
+    index = _LETTERS.index(letters.pop())
+    return index if index < num_options else None
+
+
+# A leading yes or no, after any markup or an "Answer:" label; "yes or no" / "yes/no" is no answer.
+_YES_NO = re.compile(
+    r"^\W*(?:answer\s*(?:is)?\s*:?\W*)?(yes|no)\b(?!\s*(?:/|or)\s*(?:yes|no)\b)", re.IGNORECASE
+)
+
+
+def parse_yes_no(text: str) -> bool | None:
+    """True for a reply led by "yes", False for "no" (any case, punctuation), otherwise None."""
+    match = _YES_NO.match(text)
+    if match is None:
+        return None
+    return match.group(1).lower() == "yes"
+
+
+_NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)"
+_BOX_LINE = re.compile(r"box\s+item\s*:(.*)", re.IGNORECASE)
+_BOX = re.compile(rf"\[\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*\]")
+
+
+def parse_boxes(text: str) -> list[list[float]]:
+    """Every [x, y, w, h] on the reply's "Box item:" lines (COUNTS Table 10), in order.
+
+    Brackets that do not hold exactly four numbers (such as the echoed template "[the coordinates
+    of the box]") are skipped; a reply without any box gives [].
+    """
+    boxes = []
+    for line in text.splitlines():
+        found = _BOX_LINE.search(line)
+        if found is not None:
+            boxes += [[float(v) for v in box] for box in _BOX.findall(found.group(1))]
+    return boxes
+
+
+_NUMBER_WORDS = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+    "fifteen sixteen seventeen eighteen nineteen twenty"
+).split()
+# A whole number in digits (not part of a decimal), or a number word that is not half of a
+# compound such as "twenty-one" (beyond the words this reads).
+_COUNT = re.compile(
+    rf"(?<![\d.])(\d+)(?!\.?\d)|(?<![a-z]-)\b({'|'.join(_NUMBER_WORDS)})\b(?!-[a-z])",
+    re.IGNORECASE,
+)
+
+
+def parse_count(text: str) -> int | None:
+    """The first whole number in the reply, in digits or as a word from zero to twenty."""
+    match = _COUNT.search(text)
+    if match is None:
+        return None
+    digits, word = match.groups()
+    return int(digits) if digits is not None else _NUMBER_WORDS.index(word.lower())

@@ -1,0 +1,137 @@
+"""Reply parsing: option letters (strict and FOCI's rule), yes/no, COUNTS boxes and counts."""
+
+import pytest
+
+from ood_jax.eval.parsing import parse_boxes, parse_choice, parse_count, parse_yes_no
+
+COUNTS_REPLY = (
+    "\u2014BEGIN FORMAT TEMPLATE\u2013\nAnswer Choice: [B]\n\u2014END FORMAT TEMPLATE\u2013"
+)
+
+# (reply, strict answer, FOCI-rule answer), four options.
+CHOICE_CASES = [
+    ("B", 1, 1),
+    ("b", 1, 1),
+    ("b.", 1, 1),
+    ("  C  ", 2, 2),
+    ("(C) golden retriever", 2, None),
+    ("C. golden retriever", 2, 2),
+    ("D) tabby", 3, 3),
+    ("[A]", 0, None),
+    ("**A**", 0, None),
+    ("Answer: D", 3, 0),
+    ("answer: d.", 3, 0),
+    ("Answer Choice: [B]", 1, 0),
+    ("The answer is (C).", 2, None),
+    ("The answer is C", 2, None),
+    ("I pick (B) because of the stripes.", 1, None),
+    (COUNTS_REPLY, 1, None),
+    # FOCI's pitfall: free text that begins with an option letter.
+    ("Bengal", None, 1),
+    ("Abyssinian", None, 0),
+    ("A golden retriever", None, 0),
+    ("Cat", None, 2),
+    # Letters beyond the options.
+    ("E", None, None),
+    ("(F) something", None, None),
+    # Two different letters.
+    ("(A) or (B)", None, None),
+    ("Answer: A\nAnswer: B", None, 0),
+    ("B. Actually (C)", None, 1),
+    # Nothing to parse.
+    ("", None, None),
+    ("I don't know.", None, None),
+    ("The answer is a dog", None, None),
+    ("Answer Choice: [Your Answer Choice Here]", None, 0),
+    ("The dog(s) in the image", None, None),
+]
+
+
+@pytest.mark.parametrize("reply, strict, foci", CHOICE_CASES)
+def test_parse_choice(reply: str, strict: int | None, foci: int | None) -> None:
+    assert parse_choice(reply, 4, mode="strict") == strict
+    assert parse_choice(reply, 4, mode="foci") == foci
+
+
+def test_parse_choice_default_is_strict_and_respects_num_options() -> None:
+    assert parse_choice("Bengal", 4) is None
+    assert parse_choice("C", 2) is None
+    assert parse_choice("C", 2, mode="foci") is None
+    assert parse_choice("Z", 26) == 25
+
+
+def test_parse_choice_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="mode"):
+        parse_choice("A", 4, mode="loose")
+    with pytest.raises(ValueError, match="num_options"):
+        parse_choice("A", 0)
+
+
+@pytest.mark.parametrize(
+    "reply, expected",
+    [
+        ("Yes", True),
+        ("yes.", True),
+        ("YES!", True),
+        ("Yes, there is a dog.", True),
+        ("**Yes**", True),
+        ("Answer: yes", True),
+        ("No", False),
+        ("no.", False),
+        ("No, there is no dog.", False),
+        ("  nO  ", False),
+        ("Answer: No.", False),
+        ("Yes or no", None),
+        ("yes/no", None),
+        ("Yesterday I saw a dog", None),
+        ("Nope", None),
+        ("The image shows a dog, so yes.", None),
+        ("", None),
+        ("Maybe", None),
+    ],
+)
+def test_parse_yes_no(reply: str, expected: bool | None) -> None:
+    assert parse_yes_no(reply) is expected
+
+
+@pytest.mark.parametrize(
+    "reply, expected",
+    [
+        ("Box item: [10, 20, 30, 40]", [[10.0, 20.0, 30.0, 40.0]]),
+        (
+            "\u2014BEGIN FORMAT TEMPLATE\u2013\nBox item: [1.5, 2, 3.25, 4]\n"
+            "box item:[5,6,7,8]\n\u2014END FORMAT TEMPLATE\u2013",
+            [[1.5, 2.0, 3.25, 4.0], [5.0, 6.0, 7.0, 8.0]],
+        ),
+        ("Box item: [1, 2, 3, 4], [5, 6, 7, 8]", [[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]]),
+        ("Box item: [the coordinates of the box]", []),
+        ("Box item: [1, 2, 3]", []),
+        ("[1, 2, 3, 4]", []),
+        ("There is no such object.", []),
+        ("", []),
+    ],
+)
+def test_parse_boxes(reply: str, expected: list[list[float]]) -> None:
+    assert parse_boxes(reply) == expected
+
+
+@pytest.mark.parametrize(
+    "reply, expected",
+    [
+        ("3", 3),
+        ("There are 12 cars.", 12),
+        ("three", 3),
+        ("There are Seven birds.", 7),
+        ("zero", 0),
+        ("twenty", 20),
+        ("Eleven people", 11),
+        ("I count 2 dogs and 3 cats.", 2),
+        ("twenty-one", None),
+        ("2.5", None),
+        ("none", None),
+        ("", None),
+        ("I cannot tell.", None),
+    ],
+)
+def test_parse_count(reply: str, expected: int | None) -> None:
+    assert parse_count(reply) == expected
