@@ -1,0 +1,397 @@
+"""OODBench's verification statistics (OODBench paper, Sec. 3 and Appendix C).
+
+The paper argues its data is OOD with:
+  * an exact binomial (Clopper-Pearson) / Beta-posterior lower bound on the share of models that
+    treat the data as OOD (k=49 of n=50 gives theta_min ~ 0.89: the lower end of the two-sided
+    95% Clopper-Pearson interval, see `clopper_pearson`);
+  * kernel MMD^2 between train-OOD and val-OOD with a TOST-style equivalence rule whose margin is
+    the 95th percentile of MMD^2 between random splits of one set (`mmd2_unbiased`,
+    `within_split_mmd2`, `tost_equivalence`), plus a permutation test (`mmd_permutation_test`);
+  * a variance F-test, Pearson/Spearman correlations and empirical resampling p-values comparing
+    cross-model accuracy drops on Hard vs OOD samples (`variance_f_test`, `correlation`,
+    `resampling_p_value`).
+
+MMD is computed in jax, jitted, over fixed-size row blocks of the pooled kernel matrix so that
+tens of thousands of points never materialize an N x N matrix; a permutation test evaluates a
+chunk of permutations per pass over the kernel, as one matmul per row block.
+"""
+
+import functools
+import numbers
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from scipy import stats as sps
+
+Alternative = Literal["two-sided", "greater", "less"]
+_ALTERNATIVES = ("two-sided", "greater", "less")
+
+# Pairwise distances for the median heuristic use at most this many points (a fixed-seed random
+# subset beyond it): the exact median over N^2/2 pairs is infeasible for large N and a few hundred
+# thousand pairs pin it down well.
+MEDIAN_HEURISTIC_MAX_POINTS = 1000
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_count(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _check_confidence(confidence: float) -> float:
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    return float(confidence)
+
+
+def _check_k_n(k: int, n: int) -> tuple[int, int]:
+    k, n = _check_count("k", k), _check_count("n", n)
+    if n <= 0:
+        raise ValueError(f"n must be positive, got {n}")
+    if not 0 <= k <= n:
+        raise ValueError(f"k must be in [0, n={n}], got {k}")
+    return k, n
+
+
+def _check_vector(name: str, x: object, min_len: int = 1) -> np.ndarray:
+    arr = np.asarray(x, dtype=np.float64)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    if arr.size < min_len:
+        raise ValueError(f"{name} needs at least {min_len} values, got {arr.size}")
+    if not np.all(np.isfinite(arr)):
+        raise ValueError(f"{name} contains non-finite values")
+    return arr
+
+
+def _check_points(name: str, x: object) -> np.ndarray:
+    arr = np.asarray(x)
+    if arr.ndim == 1:  # one scalar feature per point
+        arr = arr[:, None]
+    if arr.ndim != 2:
+        raise ValueError(f"{name} must be [num_points, num_features], got shape {arr.shape}")
+    # The unbiased estimator averages over distinct pairs within each sample.
+    if arr.shape[0] < 2:
+        raise ValueError(f"{name} needs at least 2 points, got {arr.shape[0]}")
+    if arr.shape[1] == 0:
+        raise ValueError(f"{name} has no features")
+    if not np.all(np.isfinite(arr)):
+        raise ValueError(f"{name} contains non-finite values")
+    return arr
+
+
+def _check_alternative(alternative: str) -> str:
+    if alternative not in _ALTERNATIVES:
+        raise ValueError(f"alternative must be one of {_ALTERNATIVES}, got {alternative!r}")
+    return alternative
+
+
+# ---------------------------------------------------------------------------------------------
+# Binomial bounds
+# ---------------------------------------------------------------------------------------------
+
+
+def clopper_pearson(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Two-sided exact (Clopper-Pearson) interval for a binomial proportion from k of n.
+
+    Equal to `scipy.stats.binomtest(k, n).proportion_ci(confidence, method="exact")`. For the
+    paper's k=49, n=50 the 95% interval is (0.8935, 0.9995): its lower end is the "theta_min
+    ~ 0.89" the paper reports (a one-sided 95% bound would be 0.9086).
+    """
+    k, n = _check_k_n(k, n)
+    alpha = 1.0 - _check_confidence(confidence)
+    # Beta quantiles are undefined at a zero shape parameter; the interval ends there are exact.
+    low = 0.0 if k == 0 else float(sps.beta.ppf(alpha / 2, k, n - k + 1))
+    high = 1.0 if k == n else float(sps.beta.ppf(1 - alpha / 2, k + 1, n - k))
+    return low, high
+
+
+def beta_posterior_bound(
+    k: int, n: int, confidence: float = 0.95, prior: tuple[float, float] = (1.0, 1.0)
+) -> float:
+    """One-sided lower credible bound on theta: the (1 - confidence) quantile of the posterior.
+
+    The posterior of a Bernoulli rate after k successes in n trials under a Beta(a, b) prior is
+    Beta(a + k, b + n - k). k=49, n=50 gives 0.9103 with the uniform prior and 0.9245 with
+    Jeffreys' (0.5, 0.5).
+    """
+    k, n = _check_k_n(k, n)
+    confidence = _check_confidence(confidence)
+    a, b = prior
+    if not (a > 0 and b > 0):
+        raise ValueError(f"prior must be two positive Beta parameters, got {prior!r}")
+    return float(sps.beta.ppf(1.0 - confidence, a + k, b + n - k))
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel MMD
+# ---------------------------------------------------------------------------------------------
+
+
+def _median_pairwise_distance(z: jax.Array, seed: int = 0) -> jax.Array:
+    if z.shape[0] > MEDIAN_HEURISTIC_MAX_POINTS:
+        idx = jax.random.choice(
+            jax.random.PRNGKey(seed), z.shape[0], (MEDIAN_HEURISTIC_MAX_POINTS,), replace=False
+        )
+        z = z[idx]
+    sq = jnp.sum(z * z, axis=-1)
+    d2 = jnp.maximum(sq[:, None] + sq[None, :] - 2 * z @ z.T, 0)
+    iu = jnp.triu_indices(z.shape[0], k=1)
+    med = jnp.median(jnp.sqrt(d2[iu]))
+    # A zero median (more than half the pairs are duplicates) would make the kernel an identity
+    # test; unit bandwidth keeps the statistic defined.
+    return jnp.where(med > 0, med, 1.0)
+
+
+@functools.partial(jax.jit, static_argnames=("m", "n", "block_size"))
+def _mmd2_columns(
+    z: jax.Array, labels: jax.Array, bandwidth: jax.Array, *, m: int, n: int, block_size: int
+) -> jax.Array:
+    """Unbiased MMD^2 for each labelling column of `labels` ([N_pad, P], 1 = first sample).
+
+    Rows of z past the real points are padding and carry label 0 and valid 0. Each row i adds
+    its own term, e.g. for i in X: sum_{j in X, j != i} k_ij / (m (m-1)) - sum_{j in Y} k_ij / (m n),
+    so the large X-X / Y-Y / X-Y sums cancel per row rather than after summing N^2 terms.
+    """
+    n_pad = z.shape[0]
+    num_blocks = n_pad // block_size
+    valid = (jnp.arange(n_pad) < m + n).astype(z.dtype)
+    sq = jnp.sum(z * z, axis=-1)
+    gamma = 1.0 / (2.0 * bandwidth**2)
+
+    def block_terms(i: jax.Array) -> jax.Array:
+        start = i * block_size
+        zb = jax.lax.dynamic_slice_in_dim(z, start, block_size)
+        lb = jax.lax.dynamic_slice_in_dim(labels, start, block_size)
+        vb = jax.lax.dynamic_slice_in_dim(valid, start, block_size)
+        d2 = jnp.maximum(sq[start + jnp.arange(block_size), None] + sq[None, :] - 2 * zb @ z.T, 0)
+        kb = jnp.exp(-gamma * d2)
+        # Zero the diagonal exactly: the unbiased estimator excludes i == j pairs.
+        rows = start + jnp.arange(block_size)
+        kb = jnp.where(rows[:, None] == jnp.arange(n_pad)[None, :], 0.0, kb)
+        rx = kb @ labels  # sum over j in X of k_ij, per labelling
+        ry = (kb @ valid)[:, None] - rx  # sum over j in Y
+        in_x, in_y = lb, vb[:, None] - lb
+        terms = in_x * (rx / (m * (m - 1)) - ry / (m * n)) + in_y * (
+            ry / (n * (n - 1)) - rx / (m * n)
+        )
+        return jnp.sum(terms, axis=0)
+
+    return jnp.sum(jax.lax.map(block_terms, jnp.arange(num_blocks)), axis=0)
+
+
+def _pooled(x: object, y: object, block_size: int) -> tuple[jax.Array, int, int]:
+    x, y = _check_points("x", x), _check_points("y", y)
+    if x.shape[1] != y.shape[1]:
+        raise ValueError(
+            f"x and y must have the same feature dim, got {x.shape[1]} and {y.shape[1]}"
+        )
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    # float64 only where jax_enable_x64 is on; float32 otherwise.
+    dtype = jax.dtypes.canonicalize_dtype(np.result_type(x.dtype, y.dtype, np.float32))
+    z = np.concatenate([x, y]).astype(np.float64)
+    # Distances are translation invariant; centering keeps |a|^2 + |b|^2 - 2ab accurate.
+    z = (z - z.mean(axis=0)).astype(dtype)
+    pad = -len(z) % block_size
+    return jnp.asarray(np.pad(z, ((0, pad), (0, 0)))), len(x), len(y)
+
+
+def _resolve_bandwidth(z: jax.Array, num_points: int, bandwidth: float | None) -> jax.Array:
+    if bandwidth is None:
+        return _median_pairwise_distance(z[:num_points])
+    if not bandwidth > 0:
+        raise ValueError(f"bandwidth must be positive, got {bandwidth!r}")
+    return jnp.asarray(bandwidth, z.dtype)
+
+
+def median_heuristic_bandwidth(x: object, y: object) -> float:
+    """Median Euclidean distance over distinct pairs of the pooled points (subsampled past
+    MEDIAN_HEURISTIC_MAX_POINTS with a fixed seed)."""
+    z, m, n = _pooled(x, y, 1)
+    return float(_median_pairwise_distance(z[: m + n]))
+
+
+def mmd2_unbiased(
+    x: object, y: object, bandwidth: float | None = None, block_size: int = 256
+) -> float:
+    """Unbiased MMD^2 between samples x [m, d] and y [n, d] with k(a, b) = exp(-|a-b|^2 / (2 s^2)).
+
+    s = `bandwidth`, or the median heuristic on the pooled points when None. Memory is
+    O(block_size * (m + n)). The unbiased estimate can be slightly negative when x and y come
+    from the same distribution.
+    """
+    z, m, n = _pooled(x, y, block_size)
+    s = _resolve_bandwidth(z, m + n, bandwidth)
+    labels = (jnp.arange(z.shape[0]) < m).astype(z.dtype)[:, None]
+    return float(_mmd2_columns(z, labels, s, m=m, n=n, block_size=block_size)[0])
+
+
+def mmd_permutation_test(
+    x: object,
+    y: object,
+    num_permutations: int = 1000,
+    seed: int = 0,
+    bandwidth: float | None = None,
+    block_size: int = 256,
+    permutation_chunk: int = 128,
+) -> tuple[float, float]:
+    """Permutation test of P_x == P_y with the unbiased MMD^2; returns (mmd2, p_value).
+
+    p = (1 + #{permutations with MMD^2 >= observed}) / (1 + num_permutations). The median
+    bandwidth is computed once on the pooled set, which every permutation shares. Each pass over
+    the kernel matrix scores `permutation_chunk` relabellings at once.
+    """
+    num_permutations = _check_count("num_permutations", num_permutations)
+    if num_permutations <= 0:
+        raise ValueError(f"num_permutations must be positive, got {num_permutations}")
+    if permutation_chunk <= 0:
+        raise ValueError(f"permutation_chunk must be positive, got {permutation_chunk}")
+    z, m, n = _pooled(x, y, block_size)
+    s = _resolve_bandwidth(z, m + n, bandwidth)
+    n_pad = z.shape[0]
+    score = functools.partial(_mmd2_columns, z, bandwidth=s, m=m, n=n, block_size=block_size)
+    observed = score((jnp.arange(n_pad) < m).astype(z.dtype)[:, None])[0]
+
+    @jax.jit
+    def relabel(keys: jax.Array) -> jax.Array:
+        # Point i joins X when its rank in a random permutation is < m; padding stays unlabelled.
+        ranks = jax.vmap(lambda k: jax.random.permutation(k, m + n))(keys)
+        labels = (ranks < m).astype(z.dtype).T
+        return jnp.pad(labels, ((0, n_pad - m - n), (0, 0)))
+
+    keys = jax.random.split(jax.random.PRNGKey(seed), num_permutations)
+    chunk = min(permutation_chunk, num_permutations)
+    # Pad the key list so every chunk has the same shape and compiles once.
+    keys = jnp.concatenate([keys, keys[: -num_permutations % chunk]])
+    null = jnp.concatenate(
+        [score(relabel(keys[i : i + chunk])) for i in range(0, len(keys), chunk)]
+    )[:num_permutations]
+    p_value = (1 + int(jnp.sum(null >= observed))) / (1 + num_permutations)
+    return float(observed), p_value
+
+
+def within_split_mmd2(
+    x: object,
+    num_splits: int = 100,
+    seed: int = 0,
+    bandwidth: float | None = None,
+    block_size: int = 256,
+) -> np.ndarray:
+    """MMD^2 between the two halves of random splits of x: the paper's intra-distribution
+    fluctuations D^(1), D^(2) ~ P_train whose 95th percentile is the equivalence margin.
+
+    The bandwidth (median heuristic on x when None) is fixed across splits so that the margin and
+    the observed statistic use the same kernel: pass the same value to `mmd2_unbiased`.
+    """
+    x = _check_points("x", x)
+    num_splits = _check_count("num_splits", num_splits)
+    if num_splits <= 0:
+        raise ValueError(f"num_splits must be positive, got {num_splits}")
+    if len(x) < 4:
+        raise ValueError(f"x needs at least 4 points to split into halves, got {len(x)}")
+    if bandwidth is None:
+        bandwidth = median_heuristic_bandwidth(x[: len(x) // 2], x[len(x) // 2 :])
+    rng = np.random.default_rng(seed)
+    half = len(x) // 2
+    out = np.empty(num_splits)
+    for i in range(num_splits):
+        perm = rng.permutation(len(x))
+        out[i] = mmd2_unbiased(x[perm[:half]], x[perm[half:]], bandwidth, block_size)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Equivalence, variance, correlation and resampling tests
+# ---------------------------------------------------------------------------------------------
+
+
+def tost_equivalence(value: float, null_samples: object, quantile: float = 0.95) -> dict:
+    """The paper's MMD equivalence rule between train-OOD and val-OOD.
+
+    Margin xi = the `quantile` (95th percentile) of `null_samples`, the MMD^2 values between
+    random splits of one distribution (`within_split_mmd2`). Hypotheses:
+    H0: MMD^2(P_train, P_val) >= xi (not equivalent) vs H1: MMD^2 < xi (equivalent).
+    H0 is rejected, and equivalence declared, when `value` < xi. Pass as `value` the upper
+    confidence bound of MMD^2 as the paper does (or the point estimate, a weaker claim). Only
+    this upper side is tested: the lower TOST side (MMD^2 > -xi) holds for any population MMD^2,
+    which is non-negative.
+
+    Returns statistic, threshold (xi), quantile, equivalent (bool) and null_fraction_below: the
+    share of within-distribution fluctuations smaller than `value`.
+    """
+    if not 0.0 < quantile < 1.0:
+        raise ValueError(f"quantile must be in (0, 1), got {quantile!r}")
+    null = _check_vector("null_samples", null_samples)
+    value = float(value)
+    if not np.isfinite(value):
+        raise ValueError(f"value must be finite, got {value}")
+    threshold = float(np.quantile(null, quantile))
+    return {
+        "statistic": value,
+        "threshold": threshold,
+        "quantile": float(quantile),
+        "equivalent": bool(value < threshold),
+        "null_fraction_below": float(np.mean(null < value)),
+    }
+
+
+def variance_f_test(
+    x: object, y: object, alternative: Alternative = "two-sided"
+) -> tuple[float, float]:
+    """F-test of equal variances: F = var(x) / var(y) (ddof=1), df = (len(x)-1, len(y)-1).
+
+    "greater" tests var(x) > var(y): the paper's Hard-vs-OOD F(8, 8) = 4.59, p = 0.0227 is this
+    one-sided p (two-sided it would be 0.045).
+    """
+    x, y = _check_vector("x", x, 2), _check_vector("y", y, 2)
+    alternative = _check_alternative(alternative)
+    vx, vy = np.var(x, ddof=1), np.var(y, ddof=1)
+    if vy == 0:
+        raise ValueError("y has zero variance; the F ratio is undefined")
+    f = float(vx / vy)
+    dfn, dfd = len(x) - 1, len(y) - 1
+    upper, lower = float(sps.f.sf(f, dfn, dfd)), float(sps.f.cdf(f, dfn, dfd))
+    p = {"greater": upper, "less": lower, "two-sided": min(1.0, 2 * min(upper, lower))}
+    return f, p[alternative]
+
+
+def correlation(x: object, y: object) -> dict[str, tuple[float, float]]:
+    """Pearson and Spearman correlations with their two-sided p-values (scipy)."""
+    x, y = _check_vector("x", x, 2), _check_vector("y", y, 2)
+    if len(x) != len(y):
+        raise ValueError(f"x and y must have the same length, got {len(x)} and {len(y)}")
+    pr, sr = sps.pearsonr(x, y), sps.spearmanr(x, y)
+    return {
+        "pearson": (float(pr.statistic), float(pr.pvalue)),
+        "spearman": (float(sr.statistic), float(sr.pvalue)),
+    }
+
+
+def resampling_p_value(
+    observed: float, samples: object, alternative: Alternative = "greater"
+) -> float:
+    """Empirical p-value of `observed` against a resampled baseline of B `samples`.
+
+    "greater": (1 + #{samples >= observed}) / (1 + B); "less": (1 + #{samples <= observed}) /
+    (1 + B), the left tail the paper uses for the OOD-vs-Hard variance and correlation tests
+    (its p < 1/(B+1) with B=1000 means no baseline draw was as low); "two-sided": twice the
+    smaller tail, capped at 1.
+    """
+    samples = _check_vector("samples", samples)
+    alternative = _check_alternative(alternative)
+    observed = float(observed)
+    if not np.isfinite(observed):
+        raise ValueError(f"observed must be finite, got {observed}")
+    b = len(samples)
+    upper = (1 + int(np.sum(samples >= observed))) / (1 + b)
+    lower = (1 + int(np.sum(samples <= observed))) / (1 + b)
+    p = {"greater": upper, "less": lower, "two-sided": min(1.0, 2 * min(upper, lower))}
+    return p[alternative]

@@ -1,0 +1,223 @@
+"""ood_jax.stats against scipy and a plain-numpy MMD reference on randomized inputs."""
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from ood_jax import stats
+
+
+def mmd2_reference(x: np.ndarray, y: np.ndarray, bandwidth: float) -> float:
+    """O(n^2) float64 unbiased MMD^2 written straight from the definition."""
+
+    def gram(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        d2 = ((a[:, None, :] - b[None, :, :]) ** 2).sum(-1)
+        return np.exp(-d2 / (2 * bandwidth**2))
+
+    m, n = len(x), len(y)
+    kxx, kyy, kxy = gram(x, x), gram(y, y), gram(x, y)
+    return (
+        (kxx.sum() - np.trace(kxx)) / (m * (m - 1))
+        + (kyy.sum() - np.trace(kyy)) / (n * (n - 1))
+        - 2 * kxy.mean()
+    )
+
+
+def median_reference(x: np.ndarray, y: np.ndarray) -> float:
+    z = np.concatenate([x, y])
+    d = np.sqrt(((z[:, None, :] - z[None, :, :]) ** 2).sum(-1))
+    return float(np.median(d[np.triu_indices(len(z), k=1)]))
+
+
+# --- binomial bounds ---------------------------------------------------------------------------
+
+
+def test_clopper_pearson_matches_scipy_exact():
+    rng = np.random.default_rng(0)
+    cases = [(0, 1), (1, 1), (0, 50), (50, 50), (49, 50)]
+    cases += [(int(k), int(n)) for n in rng.integers(1, 500, 40) for k in [rng.integers(0, n + 1)]]
+    for k, n in cases:
+        for confidence in (0.9, 0.95, 0.99):
+            ref = sps.binomtest(k, n).proportion_ci(confidence, method="exact")
+            np.testing.assert_allclose(
+                stats.clopper_pearson(k, n, confidence), (ref.low, ref.high), rtol=1e-9, atol=1e-12
+            )
+
+
+def test_paper_k49_n50_bound():
+    # The paper: "k=49, n=50 ... yields theta_min ~ 0.89": the lower end of the two-sided 95%
+    # Clopper-Pearson interval (0.8935); the one-sided 95% bounds are all above 0.90.
+    low, high = stats.clopper_pearson(49, 50)
+    assert round(low, 2) == 0.89
+    np.testing.assert_allclose((low, high), (0.893530, 0.999494), atol=1e-6)
+    np.testing.assert_allclose(stats.beta_posterior_bound(49, 50), 0.910328, atol=1e-6)
+    np.testing.assert_allclose(
+        stats.beta_posterior_bound(49, 50, prior=(0.5, 0.5)), 0.924461, atol=1e-6
+    )
+
+
+def test_beta_posterior_bound_matches_beta_quantile():
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        n = int(rng.integers(1, 300))
+        k = int(rng.integers(0, n + 1))
+        a, b = rng.uniform(0.3, 3, 2)
+        want = sps.beta.ppf(0.1, a + k, b + n - k)
+        got = stats.beta_posterior_bound(k, n, confidence=0.9, prior=(a, b))
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: stats.clopper_pearson(1, 0), "n must be positive"),
+        (lambda: stats.clopper_pearson(6, 5), "k must be in"),
+        (lambda: stats.clopper_pearson(-1, 5), "k must be in"),
+        (lambda: stats.clopper_pearson(2.5, 5), "k must be an integer"),
+        (lambda: stats.clopper_pearson(2, 5, confidence=1.5), "confidence"),
+        (lambda: stats.beta_posterior_bound(2, 5, prior=(0, 1)), "prior"),
+    ],
+)
+def test_binomial_bad_input(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# --- MMD ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mmd2_matches_numpy_reference(seed):
+    rng = np.random.default_rng(seed)
+    m, n, d = rng.integers(2, 120), rng.integers(2, 120), rng.integers(1, 8)
+    x = rng.normal(size=(m, d))
+    y = rng.normal(size=(n, d)) * rng.uniform(0.5, 2) + rng.uniform(-1, 1)
+    med = median_reference(x, y)
+    np.testing.assert_allclose(stats.median_heuristic_bandwidth(x, y), med, rtol=1e-5)
+    for bw in (None, 0.3, 1.0, 5.0):
+        want = mmd2_reference(x, y, med if bw is None else bw)
+        for block_size in (1, 16, 256):
+            got = stats.mmd2_unbiased(x, y, bandwidth=bw, block_size=block_size)
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-6)
+
+
+def test_mmd2_same_vs_shifted():
+    rng = np.random.default_rng(10)
+    x, y = rng.normal(size=(2000, 16)), rng.normal(size=(1500, 16))
+    same = stats.mmd2_unbiased(x, y)
+    shifted = stats.mmd2_unbiased(x, y + 0.5)
+    assert abs(same) < 2e-3
+    assert shifted > 50 * max(abs(same), 1e-4)
+
+
+def test_permutation_test_shifted_and_same():
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(150, 4))
+    mmd_shift, p_shift = stats.mmd_permutation_test(x, rng.normal(size=(120, 4)) + 0.6, 200)
+    assert mmd_shift > 0 and p_shift == pytest.approx(1 / 201)
+    p_same = [
+        stats.mmd_permutation_test(x, rng.normal(size=(120, 4)), 200, seed=s)[1] for s in range(3)
+    ]
+    assert min(p_same) > 0.05
+
+
+def test_permutation_chunking_keeps_p_value():
+    # Chunking and padding of the permutations must not change which relabellings are scored.
+    rng = np.random.default_rng(12)
+    x, y = rng.normal(size=(30, 3)), rng.normal(size=(25, 3)) + 0.2
+    observed, p = stats.mmd_permutation_test(
+        x, y, num_permutations=50, bandwidth=1.0, permutation_chunk=16
+    )
+    _, p_one_chunk = stats.mmd_permutation_test(x, y, num_permutations=50, bandwidth=1.0)
+    np.testing.assert_allclose(observed, mmd2_reference(x, y, 1.0), rtol=1e-4)
+    assert p == p_one_chunk
+    assert 1 / 51 <= p <= 1
+
+
+def test_within_split_and_tost():
+    rng = np.random.default_rng(13)
+    train = rng.normal(size=(400, 8))
+    bw = stats.median_heuristic_bandwidth(train[:200], train[200:])
+    null = stats.within_split_mmd2(train, num_splits=20, bandwidth=bw)
+    assert null.shape == (20,)
+    same = stats.mmd2_unbiased(train, rng.normal(size=(400, 8)), bandwidth=bw)
+    shifted = stats.mmd2_unbiased(train, rng.normal(size=(400, 8)) + 0.5, bandwidth=bw)
+    res = stats.tost_equivalence(same, null)
+    assert res["equivalent"] and res["threshold"] == pytest.approx(np.quantile(null, 0.95))
+    res = stats.tost_equivalence(shifted, null)
+    assert not res["equivalent"] and res["null_fraction_below"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: stats.mmd2_unbiased(np.zeros((0, 2)), np.zeros((3, 2))), "x needs at least 2"),
+        (lambda: stats.mmd2_unbiased(np.zeros((3, 2)), np.zeros((3, 3))), "same feature dim"),
+        (lambda: stats.mmd2_unbiased(np.zeros((3, 2, 1)), np.zeros((3, 2))), "x must be"),
+        (lambda: stats.mmd2_unbiased(np.ones((3, 2)), [[np.nan, 0], [0, 0]]), "y contains"),
+        (lambda: stats.mmd2_unbiased(np.ones((3, 2)), np.ones((3, 2)), -1.0), "bandwidth"),
+        (lambda: stats.mmd_permutation_test(np.ones((3, 2)), np.ones((3, 2)), 0), "num_perm"),
+        (lambda: stats.tost_equivalence(0.1, []), "null_samples"),
+    ],
+)
+def test_mmd_bad_input(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# --- F-test, correlation, resampling -----------------------------------------------------------
+
+
+def test_variance_f_test_matches_scipy():
+    rng = np.random.default_rng(20)
+    for _ in range(20):
+        x = rng.normal(size=rng.integers(2, 40)) * rng.uniform(0.2, 3)
+        y = rng.normal(size=rng.integers(2, 40))
+        dfn, dfd = len(x) - 1, len(y) - 1
+        f = np.var(x, ddof=1) / np.var(y, ddof=1)
+        got_f, p2 = stats.variance_f_test(x, y)
+        np.testing.assert_allclose(got_f, f, rtol=1e-12)
+        want2 = min(1.0, 2 * min(sps.f.sf(f, dfn, dfd), sps.f.cdf(f, dfn, dfd)))
+        np.testing.assert_allclose(p2, want2, rtol=1e-10)
+        np.testing.assert_allclose(stats.variance_f_test(x, y, "greater")[1], sps.f.sf(f, dfn, dfd))
+        np.testing.assert_allclose(stats.variance_f_test(x, y, "less")[1], sps.f.cdf(f, dfn, dfd))
+    # The paper's F(8, 8) = 4.59 with p = 0.0227 is the one-sided ("greater") p.
+    assert round(float(sps.f.sf(4.59, 8, 8)), 3) == 0.023
+    with pytest.raises(ValueError, match="x needs at least 2"):
+        stats.variance_f_test([1.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="alternative"):
+        stats.variance_f_test([1.0, 2.0], [1.0, 3.0], "bigger")
+
+
+def test_correlation_matches_scipy():
+    rng = np.random.default_rng(21)
+    for _ in range(20):
+        n = int(rng.integers(3, 50))
+        x = rng.normal(size=n)
+        y = rng.uniform(-1, 1) * x + rng.normal(size=n)
+        got = stats.correlation(x, y)
+        pr, sr = sps.pearsonr(x, y), sps.spearmanr(x, y)
+        np.testing.assert_allclose(got["pearson"], (pr.statistic, pr.pvalue), rtol=1e-10)
+        np.testing.assert_allclose(got["spearman"], (sr.statistic, sr.pvalue), rtol=1e-10)
+    with pytest.raises(ValueError, match="same length"):
+        stats.correlation([1, 2, 3], [1, 2])
+
+
+def test_resampling_p_value():
+    rng = np.random.default_rng(22)
+    for _ in range(20):
+        samples = rng.normal(size=int(rng.integers(1, 300)))
+        obs = float(rng.normal())
+        b = len(samples)
+        up = (1 + np.sum(samples >= obs)) / (1 + b)
+        lo = (1 + np.sum(samples <= obs)) / (1 + b)
+        assert stats.resampling_p_value(obs, samples) == pytest.approx(up)
+        assert stats.resampling_p_value(obs, samples, "less") == pytest.approx(lo)
+        assert stats.resampling_p_value(obs, samples, "two-sided") == pytest.approx(
+            min(1.0, 2 * min(up, lo))
+        )
+    # The paper's left-tail decision: an OOD correlation below every one of B=1000 baseline draws.
+    baseline = rng.uniform(0.9, 1.0, 1000)
+    assert stats.resampling_p_value(-0.65, baseline, "less") == pytest.approx(1 / 1001)
+    with pytest.raises(ValueError, match="samples"):
+        stats.resampling_p_value(0.0, [])
