@@ -431,3 +431,33 @@ def test_non_finite_loss_between_log_steps_is_not_checkpointed(tmp_path, data_di
     assert_finite_checkpoint(tmp_path, last)
     assert re.search(rf"\bstep {last}\b", str(error.value))
     assert re.search(r"\bstep 3\b", str(error.value)), "names the first non-finite step"
+
+
+def test_pretrained_backbone_enters_the_detector(tmp_path, data_dir):
+    """Classification pretraining writes backbone variables that the trainer loads as they are."""
+    import tensorflow_datasets as tfds
+    from flax import serialization
+
+    from ood_jax.train import pretrain
+
+    config = smoke_config(data_dir, pretrain__steps=3, pretrain__batch_size=4, log_every=1)
+    env = train.setup(smoke_config(data_dir), tmp_path / "fresh")
+    builder = tfds.builder(config.dataset.name, data_dir=str(data_dir))
+    path = pretrain.pretrain_backbone(
+        config, builder, env["splits"]["train"], tmp_path / "backbone.msgpack"
+    )
+    written = serialization.msgpack_restore(path.read_bytes())
+    fresh = env["state"]
+    # The pretraining moved the weights away from the detector's own initialization.
+    kernel = np.asarray(written["params"]["stem_conv"]["kernel"])
+    assert not np.allclose(kernel, np.asarray(fresh.params["backbone"]["stem_conv"]["kernel"]))
+
+    loaded = train.load_pretrained_backbone(fresh, config.model.args, path, env["state_sharding"])
+    np.testing.assert_array_equal(loaded.params["backbone"]["stem_conv"]["kernel"], kernel)
+    np.testing.assert_array_equal(
+        loaded.model_state["batch_stats"]["backbone"]["stem_norm"]["mean"],
+        written["batch_stats"]["stem_norm"]["mean"],
+    )
+    np.testing.assert_array_equal(
+        loaded.params["input_projection"]["kernel"], fresh.params["input_projection"]["kernel"]
+    )

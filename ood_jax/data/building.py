@@ -76,23 +76,6 @@ def load_json(path: str | pathlib.Path) -> Any:
         ) from None
 
 
-def load_jsonl(path: str | pathlib.Path) -> list[Any]:
-    path = pathlib.Path(path)
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        raise BuildError(f"{path}: file not found") from None
-    records = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise BuildError(f"{path}: malformed JSON on line {number}: {e.msg}") from None
-    return records
-
-
 def require(record: dict, fields: Iterable[str], where: str) -> None:
     """Fails naming the record and the first missing field."""
     if not isinstance(record, dict):

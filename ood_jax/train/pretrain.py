@@ -63,8 +63,10 @@ def pretrain_backbone(
         jax.random.key(config.seed), jnp.zeros((1, size, size, 3)), jnp.ones((1, size, size)), False
     )
     params, model_state = variables["params"], {k: v for k, v in variables.items() if k != "params"}
+    steps = config.pretrain.steps
+    warmup = max(1, min(50, steps // 5))
     optimizer = optax.adamw(
-        optax.warmup_cosine_decay_schedule(0.0, config.pretrain.lr, 50, config.pretrain.steps),
+        optax.warmup_cosine_decay_schedule(0.0, config.pretrain.lr, warmup, max(steps, warmup + 1)),
         weight_decay=1e-4,
     )
     opt_state = optimizer.init(params)
