@@ -108,7 +108,7 @@ def train_step(state: TrainState, batch, rng, *, model, optimizer, loss_config):
     (loss, (metrics, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads)}
+    metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
     state = state.replace(
         step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state
     )
