@@ -50,6 +50,21 @@ AREA_RANGES = {
     "medium": (32.0**2, 96.0**2),
     "large": (96.0**2, 1e5**2),
 }
+# What each of STAT_NAMES averages: (AP or AR, IoU threshold or None for all, area, maxDets).
+_STAT_SPECS = (
+    (True, None, "all", 100),
+    (True, 0.5, "all", 100),
+    (True, 0.75, "all", 100),
+    (True, None, "small", 100),
+    (True, None, "medium", 100),
+    (True, None, "large", 100),
+    (False, None, "all", 1),
+    (False, None, "all", 10),
+    (False, None, "all", 100),
+    (False, None, "small", 100),
+    (False, None, "medium", 100),
+    (False, None, "large", 100),
+)
 _AREA_LO = np.array([lo for lo, _ in AREA_RANGES.values()])
 _AREA_HI = np.array([hi for _, hi in AREA_RANGES.values()])
 
@@ -194,24 +209,15 @@ def evaluate_arrays(
 
 def format_table(stats: Mapping[str, float]) -> str:
     """The summary in pycocotools' layout."""
-    rows = [
-        ("Average Precision", "AP", "0.50:0.95", "all", 100),
-        ("Average Precision", "AP", "0.50", "all", 100),
-        ("Average Precision", "AP", "0.75", "all", 100),
-        ("Average Precision", "AP", "0.50:0.95", "small", 100),
-        ("Average Precision", "AP", "0.50:0.95", "medium", 100),
-        ("Average Precision", "AP", "0.50:0.95", "large", 100),
-        ("Average Recall", "AR", "0.50:0.95", "all", 1),
-        ("Average Recall", "AR", "0.50:0.95", "all", 10),
-        ("Average Recall", "AR", "0.50:0.95", "all", 100),
-        ("Average Recall", "AR", "0.50:0.95", "small", 100),
-        ("Average Recall", "AR", "0.50:0.95", "medium", 100),
-        ("Average Recall", "AR", "0.50:0.95", "large", 100),
-    ]
-    return "\n".join(
-        f" {title:<18} ({kind}) @[ IoU={iou:<9} | area={area:>6s} | maxDets={dets:>3d} ] = {stats[name]:0.3f}"
-        for (title, kind, iou, area, dets), name in zip(rows, STAT_NAMES)
-    )
+    lines = []
+    for name, (is_ap, iou, area, max_dets) in zip(STAT_NAMES, _STAT_SPECS):
+        title, kind = ("Average Precision", "AP") if is_ap else ("Average Recall", "AR")
+        iou_text = "0.50:0.95" if iou is None else f"{iou:0.2f}"
+        lines.append(
+            f" {title:<18} ({kind}) @[ IoU={iou_text:<9} | area={area:>6s} | "
+            f"maxDets={max_dets:>3d} ] = {stats[name]:0.3f}"
+        )
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------
@@ -505,24 +511,16 @@ def _accumulate(num_positive, category, rank, out_of_range, cand_pos, tp, fp):
 
 
 def _summarize(precision: np.ndarray, recall: np.ndarray) -> dict[str, float]:
-    def mean_valid(s):
-        return float(np.mean(s[s > -1])) if (s > -1).any() else -1.0
-
-    area = {name: i for i, name in enumerate(AREA_RANGES)}
-    t50 = np.where(IOU_THRESHOLDS == 0.5)[0]
-    t75 = np.where(IOU_THRESHOLDS == 0.75)[0]
-    values = [
-        mean_valid(precision[:, :, :, area["all"]]),
-        mean_valid(precision[t50][:, :, :, area["all"]]),
-        mean_valid(precision[t75][:, :, :, area["all"]]),
-        mean_valid(precision[:, :, :, area["small"]]),
-        mean_valid(precision[:, :, :, area["medium"]]),
-        mean_valid(precision[:, :, :, area["large"]]),
-        mean_valid(recall[:, :, area["all"], 0]),
-        mean_valid(recall[:, :, area["all"], 1]),
-        mean_valid(recall[:, :, area["all"], 2]),
-        mean_valid(recall[:, :, area["small"], 2]),
-        mean_valid(recall[:, :, area["medium"], 2]),
-        mean_valid(recall[:, :, area["large"], 2]),
-    ]
-    return dict(zip(STAT_NAMES, values))
+    """pycocotools' summarize: means over the entries > -1 of each stat's slice."""
+    areas = list(AREA_RANGES)
+    stats = {}
+    for name, (is_ap, iou, area, max_dets) in zip(STAT_NAMES, _STAT_SPECS):
+        a, m = areas.index(area), MAX_DETS.index(max_dets)
+        if is_ap:
+            s = precision[:, :, :, a]  # kept at maxDets=100, the only one AP stats use
+            if iou is not None:
+                s = s[np.where(IOU_THRESHOLDS == iou)[0]]
+        else:
+            s = recall[:, :, a, m]
+        stats[name] = float(np.mean(s[s > -1])) if (s > -1).any() else -1.0
+    return stats

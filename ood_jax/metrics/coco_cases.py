@@ -65,6 +65,16 @@ def _sample_sizes(rng, n, img_w, img_h, lo=3.0, hi=450.0):
     return w, h
 
 
+def _boxes_inside(rng, parents: np.ndarray, lo: float, hi: float) -> np.ndarray:
+    """One xywh box inside each parent xywh box, sides U(lo, hi) of the parent's."""
+    n = len(parents)
+    w = parents[:, 2] * rng.uniform(lo, hi, n)
+    h = parents[:, 3] * rng.uniform(lo, hi, n)
+    x = parents[:, 0] + rng.random(n) * (parents[:, 2] - w)
+    y = parents[:, 1] + rng.random(n) * (parents[:, 3] - h)
+    return np.stack([x, y, w, h], 1)
+
+
 def _place(rng, w, h, img_w, img_h):
     x = rng.uniform(0.0, 1.0, w.shape) * (img_w - w)
     y = rng.uniform(0.0, 1.0, h.shape) * (img_h - h)
@@ -270,22 +280,12 @@ def random_case(
         m = rng.integers(1, 4, n_crowd)
         owner = np.repeat(np.arange(n_crowd), m)
         member_img, member_cat = crowd_img[owner], crowd_cat[owner]
-        cb = crowd_box[owner]
-        mw = cb[:, 2] * rng.uniform(0.15, 0.45, len(owner))
-        mh = cb[:, 3] * rng.uniform(0.15, 0.45, len(owner))
-        mx = cb[:, 0] + rng.random(len(owner)) * (cb[:, 2] - mw)
-        my = cb[:, 1] + rng.random(len(owner)) * (cb[:, 3] - mh)
-        member_box = np.stack([mx, my, mw, mh], 1)
+        member_box = _boxes_inside(rng, crowd_box[owner], 0.15, 0.45)
         # detections of unannotated instances, absorbed by the crowd region
         a = rng.integers(2, 7, n_crowd)
         owner = np.repeat(np.arange(n_crowd), a)
         absorbed_img, absorbed_cat = crowd_img[owner], crowd_cat[owner]
-        cb = crowd_box[owner]
-        bw = cb[:, 2] * rng.uniform(0.08, 0.4, len(owner))
-        bh = cb[:, 3] * rng.uniform(0.08, 0.4, len(owner))
-        bx = cb[:, 0] + rng.random(len(owner)) * (cb[:, 2] - bw)
-        by = cb[:, 1] + rng.random(len(owner)) * (cb[:, 3] - bh)
-        absorbed_box = np.stack([bx, by, bw, bh], 1)
+        absorbed_box = _boxes_inside(rng, crowd_box[owner], 0.08, 0.4)
 
     # ----------------------------------------------------- duplicate gt boxes
     n_dup = _count(duplicate_gt_fraction, n_g)

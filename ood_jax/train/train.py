@@ -233,15 +233,17 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path):
         "state_sharding": state_sharding,
         "train_rng": train_rng,
         "checkpointer": ckpt,
+        # Jitted once, so periodic evaluations reuse one compilation.
+        "predict": jax.jit(
+            functools.partial(predict_step, model=model),
+            in_shardings=(state_sharding, data_sharding),
+        ),
     }
 
 
 def evaluate_all(config, env, state) -> dict[str, Any]:
     """COCO numbers on the in-domain test split and on each held-out domain."""
-    predict = jax.jit(
-        functools.partial(predict_step, model=env["model"]),
-        in_shardings=(env["state_sharding"], env["data_sharding"]),
-    )
+    predict = env["predict"]
     eval_input = ml_collections.ConfigDict(config.input.to_dict())
     eval_input.batch_size = config.eval_batch_size
     run = functools.partial(
