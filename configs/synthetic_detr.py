@@ -61,6 +61,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Trained from scratch, so its BatchNorm statistics must be learned, not frozen.
     config.model.args.backbone_norm = "batch"
     config.model.args.dilation = True
+    config.model.args.freeze_backbone = False
+    config.model.args.num_query_groups = 1
 
     # No ImageNet weights for synthetic classes: the backbone first learns, by multi-label
     # classification on the training domains only, which classes an image shows.
@@ -73,6 +75,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.optim.lr = 1e-4
     config.optim.backbone_lr = 1e-4  # no pretrained backbone to protect here
     config.optim.backbone_pattern = r"backbone/.*"
+    config.optim.frozen_pattern = ""
     config.optim.weight_decay = 1e-4
     config.optim.clip_norm = 0.1
     config.optim.b1 = 0.9

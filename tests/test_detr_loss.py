@@ -152,3 +152,25 @@ def test_gradient_finite_without_targets(num_real: list[int]) -> None:
     if sum(num_real) == 0:
         # Nothing to regress: the boxes get no gradient at all.
         assert not np.asarray(grads[1]).any()
+
+
+def test_query_groups_loss_is_mean_of_groups_matched_alone() -> None:
+    num_groups, num_queries = 3, 5
+    outputs, targets = make_batch(11, [3, 0, 5], num_groups * num_queries, 6, num_aux=1)
+    total, metrics = jax.jit(lambda o, t: dl.detr_loss(o, t, num_query_groups=num_groups))(
+        outputs, targets
+    )
+
+    def group(level: dict, g: int) -> dict:
+        cut = slice(g * num_queries, (g + 1) * num_queries)
+        return {"logits": level["logits"][:, cut], "boxes": level["boxes"][:, cut]}
+
+    refs = [
+        transformers_loss(
+            {**group(outputs, g), "aux": [group(a, g) for a in outputs["aux"]]}, targets
+        )
+        for g in range(num_groups)
+    ]
+    np.testing.assert_allclose(float(total), np.mean([r[0] for r in refs]), rtol=1e-5)
+    for k, v in metrics.items():
+        np.testing.assert_allclose(float(v), np.mean([r[1][k] for r in refs]), rtol=1e-5, err_msg=k)

@@ -193,6 +193,42 @@ def test_detr_pixel_mask_and_bfloat16() -> None:
     assert np.abs(low["boxes"] - masked["boxes"]).max() < 0.05
 
 
+def test_query_groups_train_alone_and_infer_with_the_first() -> None:
+    module = detr.DETR(
+        num_classes=3,
+        num_queries=4,
+        hidden_dim=32,
+        num_heads=4,
+        num_encoder_layers=1,
+        num_decoder_layers=2,
+        ffn_dim=64,
+        dropout=0.0,
+        backbone="resnet18",
+        num_query_groups=3,
+    )
+    images, _ = _inputs(64, 64)
+    images = _nhwc(images)
+    variables = _random_variables(module, images)
+    grouped = jax.jit(lambda v, x: module.apply(v, x, train=True))(variables, images)
+    assert grouped["logits"].shape == (2, 12, 4)
+
+    # Each group sees only itself: any group run alone (its queries as a one-group model's)
+    # reproduces its slice of the grouped run, and inference runs the first group alone.
+    apply_single = jax.jit(module.clone(num_query_groups=1).apply)
+    table = variables["params"]["query_position_embeddings"]["embedding"]
+    for g in range(3):
+        params = {**variables["params"]}
+        params["query_position_embeddings"] = {"embedding": table[4 * g : 4 * (g + 1)]}
+        alone = apply_single({**variables, "params": params}, images)
+        for key in ("logits", "boxes"):
+            np.testing.assert_allclose(
+                grouped[key][:, 4 * g : 4 * (g + 1)], alone[key], atol=1e-5, err_msg=f"{key} {g}"
+            )
+        if g == 0:
+            inferred = jax.jit(module.apply)(variables, images)
+            np.testing.assert_allclose(inferred["logits"], alone["logits"], atol=1e-6)
+
+
 def _torchvision_stages(model: torch.nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
     x = model.maxpool(model.relu(model.bn1(model.conv1(x))))
     stages = {}

@@ -2,7 +2,16 @@
 
 import pytest
 
-from ood_jax.eval.parsing import parse_boxes, parse_choice, parse_count, parse_yes_no
+from ood_jax.eval.parsing import (
+    parse_boxes,
+    parse_choice,
+    parse_choice_or_option,
+    parse_count,
+    parse_final_yes_no,
+    parse_mapping,
+    parse_option_text,
+    parse_yes_no,
+)
 
 COUNTS_REPLY = (
     "\u2014BEGIN FORMAT TEMPLATE\u2013\nAnswer Choice: [B]\n\u2014END FORMAT TEMPLATE\u2013"
@@ -135,3 +144,75 @@ def test_parse_boxes(reply: str, expected: list[list[float]]) -> None:
 )
 def test_parse_count(reply: str, expected: int | None) -> None:
     assert parse_count(reply) == expected
+
+
+@pytest.mark.parametrize(
+    "reply, expected",
+    [
+        ("Let me look. The image shows a dog on grass. So the answer is yes.", True),
+        ("Step 1: there is no cat. Step 2: nothing else. Answer: No", False),
+        ("Does it contain a cat? Yes or No? I think yes", True),
+        ("Yes. Step by step: the dog is visible.", True),
+        ("There is no zebra here, so no.", False),
+        ("The answer is yes or no, hard to tell.", None),
+        ("I cannot decide.", None),
+        ("", None),
+    ],
+)
+def test_parse_final_yes_no(reply: str, expected: bool | None) -> None:
+    assert parse_final_yes_no(reply) is expected
+
+
+OPTIONS = ["cat", "dog", "traffic light", "hen"]
+
+
+@pytest.mark.parametrize(
+    "reply, expected",
+    [
+        ("Answer Choice: [dog]", 1),
+        ("Answer Choice: Traffic Light.", 2),
+        ("hen", 3),
+        ("**cat**", 0),
+        ("A dog is shown.", None),  # a name inside a sentence is no answer
+        ("Answer Choice: [Your Answer Choice Here]", None),
+        ("cow", None),
+    ],
+)
+def test_parse_option_text(reply: str, expected: int | None) -> None:
+    assert parse_option_text(reply, OPTIONS) == expected
+
+
+def test_parse_option_text_needs_a_unique_name() -> None:
+    assert parse_option_text("dog", ["dog", "cat", "Dog"]) is None
+
+
+@pytest.mark.parametrize(
+    "reply, expected",
+    [
+        (COUNTS_REPLY, 1),  # the letter wins
+        ("Answer Choice: [D]", 3),
+        ("Answer Choice: traffic light", 2),
+        ("Answer Choice: [E]", None),
+        ("no idea", None),
+    ],
+)
+def test_parse_choice_or_option(reply: str, expected: int | None) -> None:
+    assert parse_choice_or_option(reply, OPTIONS) == expected
+
+
+def test_parse_mapping_reads_the_answer_after_the_echoed_template() -> None:
+    reply = (
+        "\u2014BEGIN FORMAT TEMPLATE\u2013\nAnswer Choice:\n"
+        "blue box:[Your Answer Choice Here]\nred box:[Your Answer Choice Here]\n"
+        "yellow box:[Your Answer Choice Here]\ngreen box:[Your Answer Choice Here]\n"
+        "\u2014END FORMAT TEMPLATE\u2013\nAnswer Choice:\n"
+        "blue box:[B]\nRed box: (A) cat\nyellow box: traffic light\ngreen box:[Your Answer Choice Here]"
+    )
+    assert parse_mapping(reply, OPTIONS) == [1, 0, 2, None]
+    assert parse_mapping("", OPTIONS) == [None] * 4
+    assert parse_mapping("blue box: D\nred box: C\nyellow box: B\ngreen box: A", OPTIONS) == [
+        3,
+        2,
+        1,
+        0,
+    ]

@@ -8,7 +8,7 @@ import torch
 import torchvision
 
 from ood_jax.models import convert, detr, registry
-from ood_jax.train import optim, sharding, train
+from ood_jax.train import optim, pretrain, sharding, train
 
 
 def _model_config(backbone_weights):
@@ -94,3 +94,28 @@ def test_wrong_architecture_fails_naming_the_file(tmp_path):
     state, shardings = _state(model_config)
     with pytest.raises((KeyError, ValueError), match="layer|resnet34|stage"):
         train.load_pretrained_backbone(state, model_config.args, path, shardings)
+
+
+def test_dense_pretraining_targets_match_a_loop():
+    rng = np.random.default_rng(3)
+    batch, slots, grid, num_classes = 3, 5, (4, 6), 4
+    centers = rng.uniform(0.0, 1.0, (batch, slots, 2))
+    sizes = rng.uniform(0.01, 0.6, (batch, slots, 2))
+    boxes = np.concatenate([centers, sizes], -1).astype(np.float32)
+    labels = rng.integers(0, num_classes, (batch, slots)).astype(np.int32)
+    box_mask = rng.random((batch, slots)) < 0.7
+    got = np.asarray(pretrain.dense_targets(boxes, labels, box_mask, grid, num_classes))
+
+    want = np.zeros((batch, *grid, num_classes), np.float32)
+    height, width = grid
+    for b, m in zip(*np.nonzero(box_mask)):
+        cx, cy, w, h = boxes[b, m].astype(np.float64)
+        for i in range(height):
+            for j in range(width):
+                centre_y, centre_x = (i + 0.5) / height, (j + 0.5) / width
+                covers = abs(centre_x - cx) <= w / 2 and abs(centre_y - cy) <= h / 2
+                centred = int(cy * height) == i and int(cx * width) == j
+                if covers or centred:
+                    want[b, i, j, labels[b, m]] = 1.0
+    np.testing.assert_array_equal(got, want)
+    assert 0 < want.sum() < want.size

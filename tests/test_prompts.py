@@ -198,3 +198,23 @@ def test_counts_mapping_matches_table_11() -> None:
 def test_counts_options_are_checked() -> None:
     with pytest.raises(ValueError, match="2 to 26"):
         prompts.counts_grounding(["car"])
+
+
+def test_counts_grounding_places_one_image_per_question() -> None:
+    # Clients send the k-th image at the k-th "<image>": after each example's question, then
+    # after the final question.
+    from ood_jax.eval.clients import ImageInput, Request
+
+    image = ImageInput(b"\x89PNG\r\n\x1a\n", "image/png")
+    for k in range(4):
+        text = prompts.counts_grounding(VEHICLES, [prompts.InContextExample(VEHICLES, "[A]")] * k)
+        segments = Request(text, (image,) * (k + 1)).segments()
+        images = [i for i, part in enumerate(segments) if isinstance(part, ImageInput)]
+        assert len(images) == k + 1
+        for i in images:
+            assert segments[i - 1].endswith("What object is in the red box? ")
+        final = "Final Question" if k else "Question"
+        assert segments[images[-1] - 1].endswith(f"{final}: What object is in the red box? ")
+    # Table 10 prints no image placeholder: an items file has to add one for its image.
+    assert prompts.IMAGE_PLACEHOLDER not in prompts.counts_localization("car")
+    assert prompts.counts_mapping(VEHICLES).count(prompts.IMAGE_PLACEHOLDER) == 1

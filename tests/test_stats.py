@@ -148,6 +148,96 @@ def test_within_split_and_tost():
     assert not res["equivalent"] and res["null_fraction_below"] == 1.0
 
 
+def _gram(a: np.ndarray, b: np.ndarray, bandwidth: float) -> np.ndarray:
+    return np.exp(-((a[:, None, :] - b[None, :, :]) ** 2).sum(-1) / (2 * bandwidth**2))
+
+
+def bootstrap_reference(x, y, bandwidth, num_bootstrap, seed):
+    """Each resample written out as index arrays; pairs of one original point are left out."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(num_bootstrap):
+        ix, iy = rng.integers(0, len(x), len(x)), rng.integers(0, len(y), len(y))
+        within = []
+        for points, index in ((x, ix), (y, iy)):
+            distinct = index[:, None] != index[None, :]
+            gram = _gram(points[index], points[index], bandwidth)
+            within.append((gram * distinct).sum() / distinct.sum())
+        out.append(within[0] + within[1] - 2 * _gram(x[ix], y[iy], bandwidth).mean())
+    return np.array(out)
+
+
+def jackknife_reference(x, y, bandwidth):
+    """Leave-one-out MMD^2 recomputed from scratch for every point; Arvesen's variance."""
+    m, n = len(x), len(y)
+    loo_x = [mmd2_reference(np.delete(x, i, 0), y, bandwidth) for i in range(m)]
+    loo_y = [mmd2_reference(x, np.delete(y, j, 0), bandwidth) for j in range(n)]
+    variance = (m - 1) / m * np.sum((loo_x - np.mean(loo_x)) ** 2) + (n - 1) / n * np.sum(
+        (loo_y - np.mean(loo_y)) ** 2
+    )
+    return mmd2_reference(x, y, bandwidth), np.sqrt(variance)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_mmd2_bootstrap_matches_resampled_reference(seed):
+    rng = np.random.default_rng(30 + seed)
+    m, n, d = rng.integers(4, 40), rng.integers(4, 40), rng.integers(1, 5)
+    x, y = rng.normal(size=(m, d)), rng.normal(size=(n, d)) + 0.3
+    got = stats.mmd2_bootstrap(x, y, 9, seed=seed, bandwidth=1.3, block_size=16, bootstrap_chunk=4)
+    np.testing.assert_allclose(got, bootstrap_reference(x, y, 1.3, 9, seed), rtol=1e-4, atol=2e-6)
+    bound = stats.mmd2_upper_bound(x, y, 0.9, "bootstrap", 9, seed=seed, bandwidth=1.3)
+    assert bound["upper"] == pytest.approx(np.quantile(got, 0.9), rel=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_mmd2_jackknife_matches_leave_one_out(seed):
+    rng = np.random.default_rng(40 + seed)
+    m, n, d = rng.integers(3, 40), rng.integers(3, 40), rng.integers(1, 5)
+    x, y = rng.normal(size=(m, d)), rng.normal(size=(n, d)) * 1.5
+    estimate, std = stats.mmd2_jackknife(x, y, bandwidth=0.9, block_size=8)
+    want_estimate, want_std = jackknife_reference(x, y, 0.9)
+    np.testing.assert_allclose(estimate, want_estimate, rtol=1e-4, atol=2e-6)
+    np.testing.assert_allclose(std, want_std, rtol=1e-3, atol=1e-6)
+    bound = stats.mmd2_upper_bound(x, y, 0.95, bandwidth=0.9)
+    assert bound["upper"] == pytest.approx(estimate + sps.norm.ppf(0.95) * std, rel=1e-5)
+
+
+def test_jackknife_upper_bound_covers_the_population_value():
+    # Over repeated draws the 90% bound lies above the (large-sample) MMD^2 about 90% of the time.
+    rng = np.random.default_rng(50)
+    truth = stats.mmd2_unbiased(
+        rng.normal(size=(3000, 2)), rng.normal(size=(3000, 2)) + 0.4, bandwidth=1.5
+    )
+    covered = [
+        stats.mmd2_upper_bound(
+            rng.normal(size=(50, 2)), rng.normal(size=(50, 2)) + 0.4, 0.9, bandwidth=1.5
+        )["upper"]
+        >= truth
+        for _ in range(60)
+    ]
+    assert 0.75 <= np.mean(covered) <= 1.0
+
+
+def test_mmd_equivalence_uses_one_kernel():
+    rng = np.random.default_rng(51)
+    train, val = rng.normal(size=(60, 3)), rng.normal(size=(200, 3))
+    result = stats.mmd_equivalence(train, val, num_splits=15, seed=2)
+    bandwidth = stats.median_heuristic_bandwidth(train[:30], train[30:])
+    assert result["bandwidth"] == pytest.approx(bandwidth)
+    null = stats.within_split_mmd2(train, 15, seed=2, bandwidth=bandwidth)
+    assert result["threshold"] == pytest.approx(np.quantile(null, 0.95))
+    bound = stats.mmd2_upper_bound(train, val, bandwidth=bandwidth)
+    assert result["upper"] == pytest.approx(bound["upper"])
+    assert result["equivalent"] == (bound["upper"] < result["threshold"])
+
+
+def test_clopper_pearson_lower_is_one_sided():
+    for k, n in [(49, 50), (0, 9), (9, 9), (3, 17)]:
+        want = sps.binomtest(k, n, alternative="greater").proportion_ci(0.95, "exact").low
+        assert stats.clopper_pearson_lower(k, n) == pytest.approx(want, abs=1e-12)
+    assert stats.clopper_pearson_lower(49, 50) == pytest.approx(0.9086, abs=5e-5)
+
+
 @pytest.mark.parametrize(
     "call, match",
     [
@@ -158,6 +248,9 @@ def test_within_split_and_tost():
         (lambda: stats.mmd2_unbiased(np.ones((3, 2)), np.ones((3, 2)), -1.0), "bandwidth"),
         (lambda: stats.mmd_permutation_test(np.ones((3, 2)), np.ones((3, 2)), 0), "num_perm"),
         (lambda: stats.tost_equivalence(0.1, []), "null_samples"),
+        (lambda: stats.mmd2_jackknife(np.ones((2, 2)), np.ones((5, 2))), "at least 3 points"),
+        (lambda: stats.mmd2_upper_bound(np.ones((4, 1)), np.ones((4, 1)), method="x"), "method"),
+        (lambda: stats.mmd2_bootstrap(np.ones((4, 1)), np.ones((4, 1)), 0), "num_bootstrap"),
     ],
 )
 def test_mmd_bad_input(call, match):

@@ -1,4 +1,4 @@
-"""Reading MLLM replies: option letters, yes/no, boxes and counts.
+"""Reading MLLM replies: option letters or names, yes/no, boxes, counts and COUNTS box mappings.
 
 `parse_choice` has two modes. "foci" is FOCI's released rule (the reply, stripped, begins with the
 letter, any case), kept to reproduce its numbers: it reads "Bengal" as B. "strict" takes a letter
@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import re
 import string
+from collections.abc import Sequence
+
+from ood_jax.eval.prompts import MAPPING_COLORS
 
 _LETTERS = string.ascii_uppercase
 
@@ -74,6 +77,56 @@ def parse_yes_no(text: str) -> bool | None:
     return match.group(1).lower() == "yes"
 
 
+# The "yes or no" echo of a question ("Yes or No?", "yes/no") names no answer.
+_YES_NO_WORD = re.compile(
+    r"(?<![a-z])(?:(yes|no)\s*(?:/|or)\s*(?:yes|no)\b|(yes|no)\b)", re.IGNORECASE
+)
+_LABELLED_YES_NO = re.compile(
+    r"\banswer\s*(?:is)?\s*[:\-]?\W*(yes|no)\b(?!\s*(?:/|or)\s*(?:yes|no)\b)", re.IGNORECASE
+)
+
+
+def parse_final_yes_no(text: str) -> bool | None:
+    """The verdict of a step-by-step (chain-of-thought) reply, where the answer usually comes last.
+
+    In order: the last "answer: yes/no" or "answer is yes/no"; a reply led by yes or no
+    (`parse_yes_no`); otherwise the last standalone "yes" or "no" word. Echoes of the question's
+    "Yes or No?" never count.
+    """
+    labelled = _LABELLED_YES_NO.findall(text)
+    if labelled:
+        return labelled[-1].lower() == "yes"
+    leading = parse_yes_no(text)
+    if leading is not None:
+        return leading
+    words = [single for _, single in _YES_NO_WORD.findall(text) if single]
+    return words[-1].lower() == "yes" if words else None
+
+
+# An "Answer Choice:" label (COUNTS' template) or a whole reply holding nothing but an option name.
+_ANSWER_LABEL = re.compile(r"\banswer(?:\s+choice)?\s*:\s*(.*)", re.IGNORECASE)
+_WRAPPING = " \t\r\n\"'`*.,;:!?[](){}"
+
+
+def parse_option_text(text: str, options: Sequence[str]) -> int | None:
+    """The option whose name is the whole answer (any case, brackets and punctuation stripped).
+
+    The answer is what follows the last "Answer:" / "Answer Choice:" label, or else the whole
+    reply. A name merely mentioned inside longer text is no answer, and neither is a name that
+    two options share.
+    """
+    labelled = _ANSWER_LABEL.findall(text)
+    answer = (labelled[-1] if labelled else text).strip(_WRAPPING).casefold()
+    matches = [i for i, option in enumerate(options) if option.strip().casefold() == answer]
+    return matches[0] if len(matches) == 1 else None
+
+
+def parse_choice_or_option(text: str, options: Sequence[str]) -> int | None:
+    """A strict option letter, or failing that an option named in full (`parse_option_text`)."""
+    letter = parse_choice(text, len(options), mode="strict")
+    return letter if letter is not None else parse_option_text(text, options)
+
+
 _NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)"
 _BOX_LINE = re.compile(r"box\s+item\s*:(.*)", re.IGNORECASE)
 _BOX = re.compile(rf"\[\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*\]")
@@ -112,3 +165,20 @@ def parse_count(text: str) -> int | None:
         return None
     digits, word = match.groups()
     return int(digits) if digits is not None else _NUMBER_WORDS.index(word.lower())
+
+
+def parse_mapping(
+    text: str, options: Sequence[str], colors: Sequence[str] = MAPPING_COLORS
+) -> list[int | None]:
+    """COUNTS' Visual and Semantic Mapping reply (Table 11): the option chosen for each colour.
+
+    Reads the last "<colour> box: ..." line of each colour (the echoed template comes first when
+    a model repeats it) with `parse_choice_or_option`; a colour without a readable answer is None.
+    """
+    chosen: list[int | None] = []
+    for color in colors:
+        lines = re.findall(rf"\b{re.escape(color)}\s+box\s*:(.*)", text, re.IGNORECASE)
+        answers = [parse_choice_or_option(line, options) for line in lines]
+        answers = [a for a in answers if a is not None]
+        chosen.append(answers[-1] if answers else None)
+    return chosen

@@ -41,6 +41,8 @@ _FOCI_CONFIG_NAMES = {
     "oxford_pet": "Oxford-Pet",
     "stanford_cars": "Stanford-Cars",
 }
+# FOCI prints only this multiple-choice prompt: the paper has no yes/no variant, so none is
+# defined here.
 FOCI_CHOICES_HEADER = "Choices:"
 FOCI_INSTRUCTION = "Answer with the letter from the given choices directly."
 

@@ -9,6 +9,8 @@ from flax import linen as nn
 
 MODELS = {
     "detr": "ood_jax.models.detr:DETR",
+    "deformable_detr": "ood_jax.models.deformable_detr:DeformableDetr",
+    "dino": "ood_jax.models.dino:DINO",
 }
 
 

@@ -10,6 +10,13 @@ the normalized patch tokens as a feature map at stride `p`. The class token, whe
 part in attention but is dropped from the output. Pixels past the last full patch are ignored, as
 in timm, so detection inputs should be padded to a multiple of `p`.
 
+The same encoder is the image tower of CLIP and SigLIP (`ood_jax.scorers`), which differ from timm's
+defaults in a few switches: the MLP activation (`activation`: CLIP's quick GELU, SigLIP's tanh
+GELU), the LayerNorm epsilon, a patch embedding without bias, a LayerNorm before the first block
+(`ln_pre`, as in CLIP) and a pooled output (`pool_type`: the class token as CLIP, or the
+multihead attention-pooling head of big_vision's `MAPHead` as SigLIP), returned as
+`{"pooled": [B, D]}` next to the feature map.
+
 Position embeddings are learned on a fixed grid (`pos_grid`, 14x14 for 224px pretraining) and are
 resampled at apply time to the input's patch grid with the antialiased interpolation of timm's
 `resample_abs_pos_embed` (what timm's `dynamic_img_size=True` does). Shapes are static under jit,
@@ -24,6 +31,14 @@ import jax.numpy as jnp
 import numpy as np
 
 LN_EPS = 1e-6
+
+ACTIVATIONS = {
+    "gelu": lambda x: nn.gelu(x, approximate=False),
+    "gelu_tanh": lambda x: nn.gelu(x, approximate=True),
+    # OpenAI CLIP's sigmoid approximation of GELU.
+    "quick_gelu": lambda x: x * nn.sigmoid(1.702 * x),
+}
+POOL_TYPES = (None, "tok", "map")
 
 # Standard patch-16 variants (Dosovitskiy et al. for B; DeiT's Ti and S).
 VARIANTS: dict[str, dict[str, int]] = {
@@ -51,44 +66,86 @@ def resample_pos_embedding(
     return out.astype(grid.dtype)
 
 
+def check_activation(name: str) -> None:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {name!r}; known: {sorted(ACTIVATIONS)}")
+
+
 class MlpBlock(nn.Module):
-    """Dense -> exact GELU -> Dense, back to the input width."""
+    """Dense -> activation (exact GELU by default) -> Dense, back to the input width."""
 
     mlp_dim: int
     dtype: Any = jnp.float32
+    activation: str = "gelu"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
+        check_activation(self.activation)
         init = nn.initializers.xavier_uniform()
         y = nn.Dense(self.mlp_dim, dtype=self.dtype, kernel_init=init, name="fc1")(x)
-        y = nn.gelu(y, approximate=False)
+        y = ACTIVATIONS[self.activation](y)
         return nn.Dense(x.shape[-1], dtype=self.dtype, kernel_init=init, name="fc2")(y)
 
 
 class EncoderBlock(nn.Module):
-    """Pre-norm transformer block with stochastic depth on both residual branches."""
+    """Pre-norm transformer block with stochastic depth on both residual branches.
+
+    `mask` ([B, 1, Lq, Lk] or broadcastable, True = attend) restricts attention, e.g. to a causal
+    or padding pattern for text; None attends everywhere.
+    """
 
     num_heads: int
     mlp_dim: int
     drop_path_rate: float = 0.0
     dtype: Any = jnp.float32
+    ln_eps: float = LN_EPS
+    activation: str = "gelu"
 
     @nn.compact
-    def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
+    def __call__(self, x: jax.Array, *, train: bool, mask: jax.Array | None = None) -> jax.Array:
         # Dropping whole residual branches per example: broadcasting the mask over tokens and
         # channels turns dropout into timm's DropPath, including its 1 / (1 - rate) rescaling.
         drop_path = nn.Dropout(self.drop_path_rate, broadcast_dims=(1, 2), deterministic=not train)
-        y = nn.LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name="norm1")(x)
+        y = nn.LayerNorm(epsilon=self.ln_eps, dtype=self.dtype, name="norm1")(x)
         y = nn.MultiHeadDotProductAttention(
             num_heads=self.num_heads,
             dtype=self.dtype,
             kernel_init=nn.initializers.xavier_uniform(),
             name="attn",
-        )(y)
+        )(y, mask=mask)
         x = x + drop_path(y)
-        y = nn.LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name="norm2")(x)
-        y = MlpBlock(self.mlp_dim, dtype=self.dtype, name="mlp")(y)
+        y = nn.LayerNorm(epsilon=self.ln_eps, dtype=self.dtype, name="norm2")(x)
+        y = MlpBlock(self.mlp_dim, dtype=self.dtype, activation=self.activation, name="mlp")(y)
         return x + drop_path(y)
+
+
+class MAPHead(nn.Module):
+    """Multihead attention pooling (big_vision's `MAPHead`, SigLIP's image head).
+
+    One learned probe attends over all tokens; an MLP block with a residual follows. [B, N, D]
+    -> [B, D].
+    """
+
+    num_heads: int
+    mlp_dim: int
+    dtype: Any = jnp.float32
+    ln_eps: float = LN_EPS
+    activation: str = "gelu"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, _, d = x.shape
+        probe = self.param("probe", nn.initializers.xavier_uniform(), (1, 1, d))
+        probe = jnp.broadcast_to(probe.astype(x.dtype), (b, 1, d))
+        x = nn.MultiHeadDotProductAttention(
+            num_heads=self.num_heads,
+            dtype=self.dtype,
+            kernel_init=nn.initializers.xavier_uniform(),
+            name="attn",
+        )(probe, x)
+        y = nn.LayerNorm(epsilon=self.ln_eps, dtype=self.dtype, name="norm")(x)
+        y = MlpBlock(self.mlp_dim, dtype=self.dtype, activation=self.activation, name="mlp")(y)
+        return (x + y)[:, 0]
 
 
 class ViT(nn.Module):
@@ -103,6 +160,12 @@ class ViT(nn.Module):
       drop_path_rate: stochastic depth, increasing linearly from 0 at the first block to this at
         the last, as timm; needs a "dropout" rng when `train=True` and the rate is non-zero.
       dtype: computation dtype; parameters stay float32.
+      ln_eps: epsilon of every LayerNorm (timm 1e-6, CLIP 1e-5).
+      activation: MLP activation, a key of `ACTIVATIONS`.
+      patch_bias: whether the patch embedding has a bias (CLIP's has none).
+      ln_pre: a LayerNorm ("norm_pre") on the embedded tokens before the first block (CLIP).
+      pool_type: None (feature map only), "tok" (the normalized class token) or "map" (a
+        `MAPHead` over the normalized tokens); the pooled vector is returned as "pooled".
     """
 
     width: int
@@ -115,6 +178,11 @@ class ViT(nn.Module):
     resample_method: str = "bicubic"
     drop_path_rate: float = 0.0
     dtype: Any = jnp.float32
+    ln_eps: float = LN_EPS
+    activation: str = "gelu"
+    patch_bias: bool = True
+    ln_pre: bool = False
+    pool_type: str | None = None
 
     @property
     def stride(self) -> int:
@@ -122,12 +190,17 @@ class ViT(nn.Module):
 
     @nn.compact
     def __call__(self, images: jax.Array, train: bool = False) -> dict[str, jax.Array]:
+        if self.pool_type not in POOL_TYPES:
+            raise ValueError(f"unknown pool_type {self.pool_type!r}; known: {POOL_TYPES}")
+        if self.pool_type == "tok" and not self.class_token:
+            raise ValueError('pool_type "tok" needs class_token=True')
         p = self.patch_size
         x = nn.Conv(
             self.width,
             (p, p),
             strides=(p, p),
             padding="VALID",
+            use_bias=self.patch_bias,
             dtype=self.dtype,
             name="embedding",
         )(images)
@@ -148,6 +221,8 @@ class ViT(nn.Module):
             cls = self.param("cls", nn.initializers.zeros, (1, 1, d))
             cls = (cls + pos[:, :num_prefix]).astype(x.dtype)
             x = jnp.concatenate([jnp.broadcast_to(cls, (b, 1, d)), x], axis=1)
+        if self.ln_pre:
+            x = nn.LayerNorm(epsilon=self.ln_eps, dtype=self.dtype, name="norm_pre")(x)
 
         for i, rate in enumerate(np.linspace(0.0, self.drop_path_rate, self.depth)):
             x = EncoderBlock(
@@ -155,10 +230,24 @@ class ViT(nn.Module):
                 self.mlp_dim,
                 drop_path_rate=float(rate),
                 dtype=self.dtype,
+                ln_eps=self.ln_eps,
+                activation=self.activation,
                 name=f"block_{i}",
             )(x, train=train)
-        x = nn.LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name="norm")(x)
-        return {"features": x[:, num_prefix:].reshape(b, h, w, d)}
+        x = nn.LayerNorm(epsilon=self.ln_eps, dtype=self.dtype, name="norm")(x)
+        out = {"features": x[:, num_prefix:].reshape(b, h, w, d)}
+        if self.pool_type == "tok":
+            out["pooled"] = x[:, 0]
+        elif self.pool_type == "map":
+            out["pooled"] = MAPHead(
+                self.num_heads,
+                self.mlp_dim,
+                dtype=self.dtype,
+                ln_eps=self.ln_eps,
+                activation=self.activation,
+                name="map_head",
+            )(x)
+        return out
 
 
 def vit(variant: str, **kwargs: Any) -> ViT:

@@ -142,11 +142,25 @@ def _level_losses(
     }
 
 
+def _fold_query_groups(outputs, targets, num_groups: int):
+    """[B, G*Q, ...] outputs to [B*G, Q, ...], each group paired with its own copy of the targets."""
+
+    def fold(x: jax.Array) -> jax.Array:
+        return x.reshape(x.shape[0] * num_groups, x.shape[1] // num_groups, *x.shape[2:])
+
+    def fold_level(level):
+        return {"logits": fold(level["logits"]), "boxes": fold(level["boxes"])}
+
+    folded = {**fold_level(outputs), "aux": [fold_level(a) for a in outputs.get("aux", ())]}
+    return folded, {k: jnp.repeat(v, num_groups, axis=0) for k, v in targets.items()}
+
+
 def detr_loss(
     outputs: Mapping[str, jax.Array | Sequence[Mapping[str, jax.Array]]],
     targets: Mapping[str, jax.Array],
     config: DetrLossConfig = DetrLossConfig(),
     num_boxes: jax.Array | None = None,
+    num_query_groups: int = 1,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """DETR's total loss over the final and auxiliary decoder outputs.
 
@@ -160,6 +174,9 @@ def detr_loss(
         a static argument when jitting).
       num_boxes: the box-loss normalizer; defaults to the number of real targets in `targets`,
         which is the global count under jit (see the module docstring). Clamped to at least 1.
+      num_query_groups: Group DETR training (see `models.detr.DETR`): the Q queries are this
+        many groups, each matched to the targets on its own; the loss is their mean, so its
+        scale does not depend on the number of groups.
 
     Returns:
       (total, metrics): total = sum over outputs of class_weight * loss_ce + bbox_weight *
@@ -169,6 +186,9 @@ def detr_loss(
     if num_boxes is None:
         num_boxes = jnp.sum(targets["mask"])
     num_boxes = jnp.maximum(jnp.asarray(num_boxes, jnp.float32), 1.0)
+    if num_query_groups > 1:
+        outputs, targets = _fold_query_groups(outputs, targets, num_query_groups)
+        num_boxes = num_boxes * num_query_groups
 
     # All decoder layers share one shape, so they are stacked and vmapped: the matcher's loops are
     # traced and compiled once instead of once per layer.

@@ -1,10 +1,13 @@
-"""Backbone pretraining by multi-label classification on the training domains.
+"""Backbone pretraining by dense multi-label classification on the training domains.
 
 Detectors start from an ImageNet backbone. Where no such weights exist (the synthetic data has
-its own classes and no network access is assumed), the backbone is first trained to say which
-object classes an image contains, on the same training split the detector will use, so no
-held-out domain is seen. The result is written as the backbone's variables and loaded by
-`train.load_pretrained_backbone`.
+its own classes and no network access is assumed), the backbone is first trained, on the same
+training split the detector will use (so no held-out domain is seen), to say for every cell of
+its output feature map which object classes are there: a cell is positive for a class when its
+centre lies inside a box of that class or a box of that class is centred in it. Saying *where*
+as well as *what* gives a frozen backbone features a detector head can localise from; a pooled
+image-level label alone would not. The result is written as the backbone's variables and loaded
+by `train.load_pretrained_backbone`.
 """
 
 from __future__ import annotations
@@ -20,22 +23,53 @@ import ml_collections
 import optax
 from flax import serialization
 
+from ood_jax import boxes as box_lib
 from ood_jax.data import pipeline
 from ood_jax.models import detr
 from ood_jax.train import sharding
 
 
-class BackboneClassifier(nn.Module):
+class DenseClassifier(nn.Module):
+    """Backbone -> per-cell class logits [B, h, w, C] (a 1x1 convolution on its last features)."""
+
     backbone: nn.Module
     num_classes: int
 
     @nn.compact
-    def __call__(self, images: jax.Array, mask: jax.Array, train: bool) -> jax.Array:
+    def __call__(self, images: jax.Array, train: bool) -> jax.Array:
         features = self.backbone(images, train)
         features = features["features"] if "features" in features else features["stage4"]
-        weights = detr.resize_mask(mask, features.shape[1:3])[..., None].astype(features.dtype)
-        pooled = (features * weights).sum((1, 2)) / jnp.maximum(weights.sum((1, 2)), 1.0)
-        return nn.Dense(self.num_classes, name="head")(pooled)
+        return nn.Conv(self.num_classes, (1, 1), name="head")(features).astype(jnp.float32)
+
+
+def dense_targets(
+    boxes: jax.Array,
+    labels: jax.Array,
+    box_mask: jax.Array,
+    grid: tuple[int, int],
+    num_classes: int,
+) -> jax.Array:
+    """[B, h, w, C] presence of each class at each cell of an h x w grid over the canvas.
+
+    `boxes` are normalized cxcywh relative to the canvas. A cell is positive for a box's class
+    when the cell's centre is inside the box or the box's centre is inside the cell, so boxes
+    smaller than a cell still mark one.
+    """
+    height, width = grid
+    cy = (jnp.arange(height) + 0.5) / height
+    cx = (jnp.arange(width) + 0.5) / width
+    x0, y0, x1, y1 = jnp.moveaxis(box_lib.cxcywh_to_xyxy(boxes), -1, 0)  # each [B, M]
+    inside_y = (cy[None, :, None] >= y0[:, None]) & (cy[None, :, None] <= y1[:, None])
+    inside_x = (cx[None, :, None] >= x0[:, None]) & (cx[None, :, None] <= x1[:, None])
+    covers = inside_y[:, :, None] & inside_x[:, None, :]  # [B, h, w, M]
+    row = jnp.floor(boxes[..., 1] * height).astype(jnp.int32)
+    col = jnp.floor(boxes[..., 0] * width).astype(jnp.int32)
+    centred = (jnp.arange(height)[None, :, None, None] == row[:, None, None, :]) & (
+        jnp.arange(width)[None, None, :, None] == col[:, None, None, :]
+    )
+    present = (covers | centred) & box_mask[:, None, None, :]
+    one_hot = jax.nn.one_hot(labels, num_classes, dtype=jnp.float32)  # [B, M, C]
+    return jnp.einsum("bhwm,bmc->bhwc", present.astype(jnp.float32), one_hot).clip(0.0, 1.0)
 
 
 def pretrain_backbone(
@@ -49,7 +83,7 @@ def pretrain_backbone(
         args.get("dilation", False),
         name="backbone",
     )
-    model = BackboneClassifier(backbone, args.num_classes)
+    model = DenseClassifier(backbone, args.num_classes)
     mesh = sharding.make_mesh(config.mesh)
     data_sharding = sharding.batch_sharding(mesh)
 
@@ -59,9 +93,7 @@ def pretrain_backbone(
     batches = pipeline.train_iterator(builder, split, input_config)
 
     size = config.input.image_size
-    variables = model.init(
-        jax.random.key(config.seed), jnp.zeros((1, size, size, 3)), jnp.ones((1, size, size)), False
-    )
+    variables = model.init(jax.random.key(config.seed), jnp.zeros((1, size, size, 3)), False)
     params, model_state = variables["params"], {k: v for k, v in variables.items() if k != "params"}
     steps = config.pretrain.steps
     warmup = max(1, min(50, steps // 5))
@@ -73,18 +105,19 @@ def pretrain_backbone(
 
     @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
     def step(params, model_state, opt_state, batch):
-        present = jax.nn.one_hot(batch["labels"], args.num_classes) * batch["box_mask"][..., None]
-        targets = present.max(1)
-
         def loss_fn(params):
             logits, new_state = model.apply(
-                {"params": params, **model_state},
-                batch["image"],
-                batch["image_mask"],
-                True,
-                mutable=list(model_state),
+                {"params": params, **model_state}, batch["image"], True, mutable=list(model_state)
             )
-            return optax.sigmoid_binary_cross_entropy(logits, targets).mean(), new_state
+            grid = logits.shape[1:3]
+            boxes = pipeline.boxes_on_canvas(batch["boxes"], batch["image_size"], size)
+            targets = dense_targets(
+                boxes, batch["labels"], batch["box_mask"], grid, args.num_classes
+            )
+            # Cells over padding carry no label; they are left out of the mean.
+            valid = detr.resize_mask(batch["image_mask"], grid)[..., None].astype(jnp.float32)
+            losses = optax.sigmoid_binary_cross_entropy(logits, targets) * valid
+            return losses.sum() / jnp.maximum(valid.sum() * args.num_classes, 1.0), new_state
 
         (loss, new_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -94,7 +127,11 @@ def pretrain_backbone(
     for i in range(1, config.pretrain.steps + 1):
         batch = next(batches)
         batch = pipeline.to_global_array(
-            {k: batch[k] for k in ("image", "image_mask", "labels", "box_mask")}, data_sharding
+            {
+                k: batch[k]
+                for k in ("image", "image_mask", "image_size", "boxes", "labels", "box_mask")
+            },
+            data_sharding,
         )
         params, model_state, opt_state, loss = step(params, model_state, opt_state, batch)
         if i % config.log_every == 0 or i == config.pretrain.steps:

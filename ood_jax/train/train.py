@@ -102,7 +102,9 @@ def train_step(state: TrainState, batch, rng, *, model, optimizer, loss_config):
             mutable=list(state.model_state),
         )
         targets = {"boxes": batch["boxes"], "labels": batch["labels"], "mask": batch["box_mask"]}
-        loss, metrics = detr_loss.detr_loss(outputs, targets, loss_config)
+        loss, metrics = detr_loss.detr_loss(
+            outputs, targets, loss_config, num_query_groups=model.num_query_groups
+        )
         return loss, (metrics, model_state)
 
     (loss, (metrics, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)

@@ -1,0 +1,238 @@
+#!/usr/bin/env python
+"""Benchmark: our jitted CLIP ViT-B/16 image tower next to transformers' PyTorch CLIP, and the
+share of a mining pass spent outside the encoder.
+
+One process, one device, the same weights: a transformers `CLIPModel` with a ViT-B/16 vision
+config (224px, patch 16, width 768, 12 layers, quick GELU, random init; a one-layer text tower,
+which is not timed) is saved with `save_pretrained` and loaded with `ood_jax.scorers.from_hf`.
+Their image features are compared once.
+
+  * throughput: images/s of `scorer.image_features` (jitted, fixed batch) and of
+    `CLIPModel.get_image_features` under `torch.no_grad()` (its default attention), on one batch of
+    preprocessed pixels (default 32), ours and torch alternating; median of `--steps` runs
+    after `--warmup`, our compile time reported apart.
+  * mining pass: `--mining-images` uint8 images of typical dataset sizes (375x500 to 480x640,
+    already decoded) through `scorer.encode_images` (resize, crop and normalize in a thread pool
+    overlapping the device, then the encoder), then FOCI's hard-choice mining top-k
+    (`ood_jax.mining.foci.mine_options` when importable, else a cosine top-k here) over
+    `--classes` text embeddings. Timed next to the encoder alone on the same images already
+    preprocessed; the difference, as a share of the pass, is the cost of everything but the
+    encoder. Text encoding (once per dataset) and image decoding (the data loader's) are left
+    out.
+
+    python bench/scorer_throughput.py [--batch 32] [--steps 3] [--warmup 1]
+        [--mining-images 64] [--mining-steps 2] [--classes 1000] [--torch-threads T]
+        [--dtype float32|bfloat16] [--no-torch]
+
+The last line sums up: both throughputs, their ratio, and the mining overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Sizes (h, w) of typical photos in ImageNet / COCO, the datasets the papers mine.
+PHOTO_SIZES = [(375, 500), (480, 640), (333, 500), (500, 375), (427, 640), (480, 480)]
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=3, help="timed throughput runs")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs after compiling")
+    parser.add_argument("--mining-images", type=int, default=64)
+    parser.add_argument("--mining-steps", type=int, default=2, help="timed mining passes")
+    parser.add_argument("--classes", type=int, default=1000, help="text embeddings to mine over")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-torch", action="store_true", help="time only ours (torch still makes the weights)"
+    )
+    parser.add_argument(
+        "--torch-threads", type=int, default=0, help="torch intra-op threads (0: os.cpu_count())"
+    )
+    args = parser.parse_args()
+    if min(args.batch, args.steps, args.mining_images, args.mining_steps) < 1 or args.warmup < 0:
+        parser.error("need --batch, --steps, --mining-images, --mining-steps >= 1, --warmup >= 0")
+    if args.classes < 4:
+        parser.error("--classes must be >= 4 (FOCI's four options)")
+    return args
+
+
+def _time(fns: dict[str, Callable[[], Any]], steps: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds of each of `steps` calls of every fn (each blocks until done), after `warmup`;
+    the fns alternate, so a change in the machine's load weighs on all alike."""
+    times = {name: [] for name in fns}
+    for i in range(warmup + steps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
+def _clip_config():
+    import transformers
+
+    return transformers.CLIPConfig(
+        vision_config=dict(
+            hidden_size=768,
+            intermediate_size=3072,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            image_size=224,
+            patch_size=16,
+        ),
+        text_config=dict(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2
+        ),
+        projection_dim=512,
+    )
+
+
+def _mining_topk():
+    """(name, fn(image_embeds, text_embeds, labels) -> options) for the mining step."""
+    try:
+        from ood_jax.mining.foci import mine_options
+
+        return "ood_jax.mining.foci.mine_options", mine_options
+    except ImportError:
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+
+        @jax.jit
+        def hardest(images, texts, labels):
+            sims = images @ texts.T
+            sims = sims.at[jnp.arange(len(labels)), labels].set(-jnp.inf)
+            return jax.lax.top_k(sims, 3)[1]
+
+        def mine(images, texts, labels):
+            negatives = np.asarray(hardest(images, texts, labels))
+            return np.concatenate([labels[:, None], negatives[:, ::-1]], axis=1)
+
+        return "inline cosine top-k", mine
+
+
+def main() -> None:
+    args = _parse_args()
+    # torch before anything that may pull in TensorFlow (triton crashes after TF's libraries).
+    import torch
+    import transformers
+
+    torch_threads = args.torch_threads or os.cpu_count()
+    torch.set_num_threads(torch_threads)
+    transformers.utils.logging.disable_progress_bar()
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ood_jax import scorers
+
+    load_before = os.getloadavg()[0]
+    rng = np.random.default_rng(args.seed)
+    torch.manual_seed(args.seed)
+    model = transformers.CLIPModel(_clip_config()).eval()
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        scorer = scorers.from_hf(tmp, dtype=dtype, batch_size=args.batch)
+
+    # ---------------------------------------------------------------- throughput
+    pixels = rng.standard_normal((args.batch, 224, 224, 3), np.float32)
+    start = time.perf_counter()
+    ours_features = scorer.image_features(pixels)
+    compile_s = time.perf_counter() - start
+    fns = {"ours": lambda: scorer.image_features(pixels)}
+    if not args.no_torch:
+        nchw = torch.from_numpy(pixels.transpose(0, 3, 1, 2).copy())
+
+        def torch_features():
+            with torch.no_grad():
+                return model.get_image_features(pixel_values=nchw).pooler_output
+
+        diff = float(np.abs(ours_features - torch_features().numpy()).max())
+        fns["torch"] = torch_features
+    times = _time(fns, args.steps, args.warmup)
+    rate = {name: args.batch / statistics.median(t) for name, t in times.items()}
+
+    # ---------------------------------------------------------------- mining pass
+    sizes = [PHOTO_SIZES[i % len(PHOTO_SIZES)] for i in range(args.mining_images)]
+    images = [rng.integers(0, 256, (*s, 3), dtype=np.uint8) for s in sizes]
+    texts = rng.standard_normal((args.classes, scorer.dim)).astype(np.float32)
+    texts /= np.linalg.norm(texts, axis=-1, keepdims=True)
+    labels = rng.integers(0, args.classes, args.mining_images)
+    topk_name, topk = _mining_topk()
+
+    start = time.perf_counter()
+    prepped = np.stack([scorer.preprocess(image) for image in images])
+    preprocess_s = (time.perf_counter() - start) / len(images)
+    # Compile the normalized variant and the top-k (for these shapes) before timing.
+    scorer.encode_images(images[: args.batch])
+    topk(texts[rng.integers(0, args.classes, len(labels))], texts, labels)
+
+    topk_times = []
+
+    def mining_pass():
+        embeds = scorer.encode_images(images)
+        start = time.perf_counter()
+        topk(embeds, texts, labels)
+        topk_times.append(time.perf_counter() - start)
+
+    mining = _time(
+        {"pass": mining_pass, "encoder": lambda: scorer.image_features(prepped)},
+        args.mining_steps,
+        0,
+    )
+    pass_s, encoder_s = (statistics.median(mining[k]) for k in ("pass", "encoder"))
+    overhead = max(pass_s - encoder_s, 0.0) / pass_s
+
+    # ---------------------------------------------------------------- report
+    device = jax.devices()[0]
+    print(
+        f"CLIP ViT-B/16 image tower, 224px, batch {args.batch}, {args.dtype}; ours on "
+        f"{device.platform} ({device.device_kind}), torch on CPU ({torch_threads} threads, "
+        f"{model.config._attn_implementation} attention)"
+    )
+    print(
+        f"  {os.cpu_count()} CPU cores, load average {load_before:.1f} before / "
+        f"{os.getloadavg()[0]:.1f} after (shared machine: figures move with the load); median "
+        f"[min-max] of {args.steps} runs after {args.warmup} warm-up, ours and torch alternating"
+    )
+    print(f"  ours first call (compile + run) {compile_s:.1f} s, not in the timings")
+    if not args.no_torch:
+        print(f"  same weights: max |ours - torch| image features {diff:.1e}")
+    for name, t in times.items():
+        print(
+            f"  {name:6s} {statistics.median(t):7.3f} s [{min(t):.3f}-{max(t):.3f}] per batch: "
+            f"{rate[name]:6.2f} images/s"
+        )
+    print(
+        f"  mining pass over {args.mining_images} decoded photos ({sizes[0][0]}x{sizes[0][1]} to "
+        f"480x640) and {args.classes} classes, {topk_name}: median of {args.mining_steps}"
+    )
+    print(
+        f"    encode_images + top-k {pass_s:.3f} s, encoder alone {encoder_s:.3f} s, top-k "
+        f"{statistics.median(topk_times) * 1e3:.1f} ms, preprocessing {preprocess_s * 1e3:.1f} "
+        f"ms/image on one thread"
+    )
+    summary = f"ours {rate['ours']:.2f} images/s"
+    if not args.no_torch:
+        summary += (
+            f", torch {rate['torch']:.2f} images/s, ours/torch {rate['ours'] / rate['torch']:.2f}"
+        )
+    print(f"{summary}; mining time outside the encoder {100 * overhead:.1f}%")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""FOCI (TFDS `foci/<config>`, split `test`): four-way multiple choice, accuracy per dataset and
+their mean as FOCI's Table 2. Replies are read with FOCI's rule (the reply begins with the
+letter, Appendix A) or the strict parser.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from ood_jax.eval import parsing, prompts
+from ood_jax.eval.bench_common import (
+    Benchmark,
+    Item,
+    answer_summary,
+    built_configs,
+    dataset_dir,
+    group_by,
+    image_request,
+    pct,
+    split_sizes,
+    table,
+    text,
+    tfds_records,
+)
+
+
+PARSE_MODES = ("foci", "strict")
+
+
+class Foci(Benchmark):
+    """FOCI multiple choice over the built `foci` configs (all of them, or `configs`)."""
+
+    name = "foci"
+    # FOCI generates at most 10 new tokens (its greedy decoding setup for letters).
+    default_max_tokens = 10
+
+    def __init__(
+        self, data_dir: str, configs: Sequence[str] | None = None, parse_mode: str = "foci"
+    ):
+        if parse_mode not in PARSE_MODES:
+            raise ValueError(f"parse_mode must be one of {PARSE_MODES}, got {parse_mode!r}")
+        self.parse_mode = parse_mode
+        self.configs = list(configs) if configs else built_configs(data_dir, "foci")
+        self.directories = {c: dataset_dir(data_dir, "foci", c) for c in self.configs}
+
+    def identity(self) -> dict:
+        return {"benchmark": self.name, "parse_mode": self.parse_mode}
+
+    def count(self) -> int:
+        return sum(split_sizes(d, ["test"]) for d in self.directories.values())
+
+    def items(self) -> Iterator[Item]:
+        for config, directory in self.directories.items():
+            for _, record in tfds_records(directory, ["test"]):
+                filename = text(record["image/filename"])
+                item_id = f"{config}/{filename}"
+                options = [text(o) for o in record["options"]]
+                question = prompts.foci_multiple_choice(text(record["dataset"]), options)
+                meta = {
+                    "dataset": config,
+                    "options": options,
+                    "answer": int(record["answer"]),
+                    "label": text(record["label"]),
+                }
+                yield Item(item_id, image_request(question, record["image"], item_id), meta)
+
+    def score(self, meta: dict, reply: str) -> tuple[int | None, bool]:
+        parsed = parsing.parse_choice(reply, len(meta["options"]), mode=self.parse_mode)
+        return parsed, parsed == meta["answer"]
+
+    def results(self, records: Sequence[dict]) -> dict:
+        out = answer_summary(records)
+        per_dataset = {
+            k: answer_summary(v) for k, v in sorted(group_by(records, "dataset").items())
+        }
+        if len(per_dataset) > 1:
+            out["per_dataset"] = per_dataset
+            # Table 2's average column: the mean of the per-dataset accuracies.
+            out["average_accuracy"] = float(np.mean([v["accuracy"] for v in per_dataset.values()]))
+        return out
+
+    def markdown(self, results: dict) -> str:
+        per_dataset = results.get("per_dataset", {})
+        rows = [
+            [name, pct(r["accuracy"]), str(r["num_items"]), str(r["generation_failures"])]
+            for name, r in per_dataset.items()
+        ]
+        if per_dataset:
+            rows.append(["average (per-dataset mean)", pct(results["average_accuracy"]), "", ""])
+        rows.append(
+            [
+                "all items",
+                pct(results["accuracy"]),
+                str(results["num_items"]),
+                str(results["generation_failures"]),
+            ]
+        )
+        header = ["dataset", "accuracy (%)", "items", "generation failures"]
+        return "## FOCI\n\n" + table(header, rows) + "\n"

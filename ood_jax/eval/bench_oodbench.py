@@ -1,0 +1,216 @@
+"""OODBench (TFDS `oodbench/default` and `oodbench/bap`).
+
+Yes/no questions: accuracy, precision, recall, F1 and MCC on ID, OOD-S and OOD-H (the paper's
+main table), with the paper's questions (setting `plain`) or its chain-of-thought wording (`cot`,
+the verdict read from the end of the reply). BAP: E-Acc, C-Acc, L-Acc and the overall C/N.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from ood_jax.eval import parsing, prompts
+from ood_jax.eval.bench_common import (
+    Benchmark,
+    Item,
+    answer_summary,
+    dataset_dir,
+    group_by,
+    image_request,
+    pct,
+    split_sizes,
+    table,
+    text,
+    tfds_records,
+)
+from ood_jax.metrics import classification
+
+
+OODBENCH_SPLITS = {"id": "ID", "ood_s": "OOD-S", "ood_h": "OOD-H"}
+OODBENCH_SETTINGS = ("plain", "cot")
+
+
+def _category_text(name: str) -> str:
+    # As the OODBench builder words its questions: LVIS joins words with underscores.
+    return name.replace("_", " ")
+
+
+def yes_no_results(records: Sequence[dict]) -> dict:
+    """Per split: binary_report of the yes/no answers (a missing or unread answer counts as
+    the wrong one), plus how many were unanswered and how many requests failed."""
+    splits = {}
+    for split, group in group_by(records, "split").items():
+        truth = np.array([r["meta"]["answer"] for r in group], bool)
+        # A missing or unread answer counts as the wrong one.
+        predicted = np.array(
+            [r["parsed"] if r["parsed"] is not None else not r["meta"]["answer"] for r in group],
+            bool,
+        )
+        report = classification.binary_report(truth, predicted)
+        summary = answer_summary(group)
+        report["unanswered"] = summary["generation_failures"]
+        report["request_failures"] = summary["request_failures"]
+        splits[split] = report
+    return {"splits": {s: splits[s] for s in OODBENCH_SPLITS if s in splits}}
+
+
+def bap_results(records: Sequence[dict]) -> dict:
+    """Per split: E-Acc over existential questions, C-Acc over counting questions, L-Acc over
+    test samples with a logical question, and the overall C / N."""
+    splits = {}
+    for split, group in group_by(records, "split").items():
+        by_level = group_by(group, "level")
+        # L-Acc scores a test sample (an image and its two categories): a point when its
+        # logical question and both of its counting questions are answered correctly.
+        samples = group_by(group, "sample")
+        logical_samples = [
+            s for s in samples.values() if any(r["meta"]["level"] == "logical" for r in s)
+        ]
+        logical_points = [
+            all(r["correct"] for r in s if r["meta"]["level"] != "existential")
+            for s in logical_samples
+        ]
+
+        def mean(values):
+            return float(np.mean(values)) if len(values) else float("nan")
+
+        splits[split] = {
+            "e_acc": mean([bool(r["correct"]) for r in by_level.get("existential", [])]),
+            "c_acc": mean([bool(r["correct"]) for r in by_level.get("counting", [])]),
+            "l_acc": mean(logical_points),
+            # The paper's overall BAP metric: C / N over every question.
+            "bap": mean([bool(r["correct"]) for r in group]),
+            "existential_questions": len(by_level.get("existential", [])),
+            "counting_questions": len(by_level.get("counting", [])),
+            "logical_samples": len(logical_samples),
+            "questions": len(group),
+            "unanswered": answer_summary(group)["generation_failures"],
+        }
+    return {"splits": {s: splits[s] for s in OODBENCH_SPLITS if s in splits}}
+
+
+class OodBench(Benchmark):
+    """OODBench's yes/no questions; `setting="cot"` asks them with the paper's CoT wording."""
+
+    name = "oodbench"
+    default_max_tokens = 16
+
+    def __init__(self, data_dir: str, config: str = "default", setting: str = "plain"):
+        if setting not in OODBENCH_SETTINGS:
+            raise ValueError(
+                f"OODBench setting must be one of {OODBENCH_SETTINGS}, got {setting!r}"
+            )
+        self.setting = setting
+        self.directory = dataset_dir(data_dir, "oodbench", config)
+        if setting == "cot":
+            # Step-by-step answers need room before the verdict.
+            self.default_max_tokens = 512
+
+    def identity(self) -> dict:
+        return {"benchmark": self.name, "setting": self.setting}
+
+    def count(self) -> int:
+        return split_sizes(self.directory, list(OODBENCH_SPLITS))
+
+    def items(self) -> Iterator[Item]:
+        for split, record in tfds_records(self.directory, list(OODBENCH_SPLITS)):
+            category, kind = text(record["category"]), text(record["kind"])
+            image_id = int(record["image/id"])
+            if self.setting == "cot":
+                question = prompts.oodbench_question(
+                    _category_text(category),
+                    negated=kind.startswith("negated"),
+                    chain_of_thought=True,
+                )
+            else:
+                question = text(record["question"])
+            item_id = f"{split}/{image_id}/{category}/{kind}"
+            meta = {
+                "split": split,
+                "answer": bool(record["answer"]),
+                "category": category,
+                "kind": kind,
+                "image_id": image_id,
+            }
+            yield Item(item_id, image_request(question, record["image"], item_id), meta)
+
+    def score(self, meta: dict, reply: str) -> tuple[bool | None, bool]:
+        read = parsing.parse_final_yes_no if self.setting == "cot" else parsing.parse_yes_no
+        parsed = read(reply)
+        return parsed, parsed is not None and parsed == meta["answer"]
+
+    def results(self, records: Sequence[dict]) -> dict:
+        return {"setting": self.setting, **yes_no_results(records)}
+
+    def markdown(self, results: dict) -> str:
+        rows = [
+            [
+                OODBENCH_SPLITS[s],
+                *(pct(r[k]) for k in ("accuracy", "precision", "recall", "f1")),
+                f"{100 * r['mcc']:.2f}",
+                str(r["support"]),
+                str(r["unanswered"]),
+            ]
+            for s, r in results["splits"].items()
+        ]
+        header = ["split", "Acc", "Precision", "Recall", "F1", "MCC", "questions", "unanswered"]
+        title = "## OODBench" + (" (CoT)" if results["setting"] == "cot" else "")
+        return f"{title}\n\nAll numbers in %.\n\n" + table(header, rows) + "\n"
+
+
+class OodBenchBap(Benchmark):
+    """OODBench's Basic-to-Advanced Progression questions (TFDS config `bap`)."""
+
+    name = "oodbench-bap"
+    default_max_tokens = 32
+
+    def __init__(self, data_dir: str, config: str = "bap"):
+        self.directory = dataset_dir(data_dir, "oodbench", config)
+
+    def count(self) -> int:
+        return split_sizes(self.directory, list(OODBENCH_SPLITS))
+
+    def items(self) -> Iterator[Item]:
+        for split, record in tfds_records(self.directory, list(OODBENCH_SPLITS)):
+            level = prompts.BAP_LEVELS[int(record["level"])]
+            categories = [text(c) for c in record["categories"]]
+            image_id = int(record["image/id"])
+            item_id = f"{split}/{image_id}/{level}/{'/'.join(categories)}"
+            meta = {
+                "split": split,
+                "level": level,
+                "answer": text(record["answer"]),
+                "categories": categories,
+                "sample": f"{split}/{image_id}",
+            }
+            question = text(record["question"])
+            yield Item(item_id, image_request(question, record["image"], item_id), meta)
+
+    def score(self, meta: dict, reply: str) -> tuple[Any, bool]:
+        if meta["level"] == "counting":
+            parsed = parsing.parse_count(reply)
+            return parsed, parsed is not None and parsed == int(meta["answer"])
+        parsed = parsing.parse_yes_no(reply)
+        return parsed, parsed is not None and parsed == (meta["answer"] == "yes")
+
+    def results(self, records: Sequence[dict]) -> dict:
+        return bap_results(records)
+
+    def markdown(self, results: dict) -> str:
+        rows = [
+            [
+                OODBENCH_SPLITS[s],
+                pct(r["e_acc"]),
+                pct(r["c_acc"]),
+                pct(r["l_acc"]),
+                pct(r["bap"]),
+                str(r["questions"]),
+                str(r["unanswered"]),
+            ]
+            for s, r in results["splits"].items()
+        ]
+        header = ["split", "E-Acc", "C-Acc", "L-Acc", "BAP (C/N)", "questions", "unanswered"]
+        return "## OODBench BAP\n\nAll numbers in %.\n\n" + table(header, rows) + "\n"

@@ -1,0 +1,388 @@
+"""The resumable evaluation loop: items -> client -> DIR/predictions.jsonl -> DIR/results.{json,md}.
+
+DIR/predictions.jsonl holds one JSON line per answered item: id, digest (SHA-256 of the prompt
+and images), reply, parsed answer, correct, error (null unless the request failed) and the item's
+meta. Lines are appended and flushed as replies arrive, so a killed run keeps every reply it
+received. A rerun into the same DIR:
+  * drops a torn last line (a kill in the middle of a write) and sends that item again;
+  * sends only items without a reply: answered items are skipped, failed ones retried;
+  * refuses to mix: an item whose digest changed, or a run with another benchmark, model or
+    generation budget (DIR/run.json), is an error naming what differs.
+When every item has been handled the file is rewritten (atomically) with one line per item.
+results.json and results.md are written atomically at the end of every run, over the items of
+that run.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import math
+import os
+import pathlib
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Protocol
+
+from ood_jax.eval.bench_common import Benchmark, Item
+from ood_jax.eval.clients import ClientError, Request
+
+PREDICTIONS_FILE = "predictions.jsonl"
+RUN_FILE = "run.json"
+RESULTS_JSON = "results.json"
+RESULTS_MD = "results.md"
+
+
+class RunError(ValueError):
+    """An output directory or item set that a run cannot continue with."""
+
+
+class Client(Protocol):
+    def identity(self) -> dict: ...
+
+    def generate(self, request: Request) -> str: ...
+
+
+def write_text_atomic(path: pathlib.Path, text: str) -> None:
+    """Writes beside the target and renames, so a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# The predictions file
+# ---------------------------------------------------------------------------------------------
+
+
+class PredictionStore:
+    """DIR/predictions.jsonl: the latest record per item id, appended to as replies arrive."""
+
+    def __init__(self, path: pathlib.Path, repair: bool = True):
+        """Loads `path` if it exists; `repair` cuts a torn last line off the file (else it is
+        only ignored, for readers that must not change the file)."""
+        self.path = path
+        self.records: dict[str, dict] = {}
+        self.torn_line_dropped = False
+        if path.exists():
+            self._load(repair)
+        self._file = None
+
+    def _load(self, repair: bool) -> None:
+        data = self.path.read_bytes()
+        end = data.rfind(b"\n") + 1
+        if end < len(data):
+            # A kill mid-write leaves a last line without its newline: drop it; it is re-sent.
+            if repair:
+                with open(self.path, "r+b") as f:
+                    f.truncate(end)
+            self.torn_line_dropped = True
+        for number, line in enumerate(data[:end].decode().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise RunError(f"{self.path}: line {number}: malformed JSON ({e.msg})") from None
+            if not isinstance(record, dict) or not {"id", "digest"} <= record.keys():
+                raise RunError(f"{self.path}: line {number}: a record needs 'id' and 'digest'")
+            self.records[record["id"]] = record
+
+    def append(self, record: dict) -> None:
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a")
+        # One write of a whole line, flushed at once: the OS has it even if the process dies.
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        self.records[record["id"]] = record
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def compact(self, order: Sequence[str]) -> None:
+        """Rewrites the file with one line per id: `order` first, then any other ids kept."""
+        self.close()
+        ids = list(order) + [i for i in self.records if i not in set(order)]
+        text = "".join(json.dumps(self.records[i]) + "\n" for i in ids if i in self.records)
+        write_text_atomic(self.path, text)
+
+
+def _check_run_file(directory: pathlib.Path, identity: dict) -> None:
+    path = directory / RUN_FILE
+    if path.exists():
+        try:
+            previous = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise RunError(f"{path}: malformed JSON ({e.msg})") from None
+        differs = sorted(
+            k for k in identity.keys() | previous.keys() if identity.get(k) != previous.get(k)
+        )
+        if differs:
+            detail = ", ".join(
+                f"{k}: {previous.get(k)!r} there, {identity.get(k)!r} now" for k in differs
+            )
+            raise RunError(
+                f"{directory} holds predictions of another run ({detail}); use another --output"
+            )
+    else:
+        write_text_atomic(path, json.dumps(identity, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress
+# ---------------------------------------------------------------------------------------------
+
+
+class Progress:
+    """A progress bar on stderr with the rate and time left (tqdm), or nothing when disabled."""
+
+    def __init__(self, total: int | None, description: str, enabled: bool = True):
+        self._bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(
+                total=total, desc=description, unit="item", file=sys.stderr, dynamic_ncols=True
+            )
+
+    def update(self, done: int = 1, **postfix: Any) -> None:
+        if self._bar is not None:
+            self._bar.update(done)
+            if postfix:
+                self._bar.set_postfix(postfix, refresh=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN (a metric over no items) becomes null: JSON has no NaN."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
+
+def _limited(items: Iterable[Item], limit: int | None) -> Iterator[Item]:
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be non-negative, got {limit}")
+    for k, item in enumerate(items):
+        if limit is not None and k >= limit:
+            return
+        yield item
+
+
+def _check_digests(benchmark: Benchmark, store: PredictionStore, limit: int | None) -> None:
+    """Before anything is sent: every stored record must still match its item's prompt."""
+    for item in _limited(benchmark.items(), limit):
+        stored = store.records.get(item.id)
+        if stored is not None and stored["digest"] != item.digest:
+            raise RunError(
+                f"{store.path}: item {item.id!r} was answered for another prompt or image "
+                f"(digest {stored['digest'][:12]} there, {item.digest[:12]} now); "
+                "use another --output"
+            )
+
+
+def _record(benchmark: Benchmark, item: Item, reply: str | None, error: str | None) -> dict:
+    parsed, correct = (None, False) if reply is None else benchmark.score(item.meta, reply)
+    if reply is None and item.meta.get("task") == "localization":
+        correct = None
+    return {
+        "id": item.id,
+        "digest": item.digest,
+        "reply": reply,
+        "parsed": parsed,
+        "correct": correct,
+        "error": error,
+        "meta": item.meta,
+    }
+
+
+class _Session:
+    """What a run shares between its answering loop and its ending: store, ids, progress."""
+
+    def __init__(
+        self,
+        benchmark: Benchmark,
+        identity: dict,
+        output: str | pathlib.Path,
+        limit: int | None,
+        progress: bool,
+    ):
+        self.benchmark, self.identity, self.limit = benchmark, identity, limit
+        self.directory = pathlib.Path(output)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        _check_run_file(self.directory, identity)
+        self.store = PredictionStore(self.directory / PREDICTIONS_FILE)
+        if self.store.records:
+            _check_digests(benchmark, self.store, limit)
+        self.order: list[str] = []
+        self.sent = self.failed = 0
+        total = benchmark.count()
+        if total is not None and limit is not None:
+            total = min(total, limit)
+        self.progress = Progress(total, benchmark.name, progress)
+
+    def pending(self) -> Iterator[Item]:
+        """The run's items that still need a reply, in order; answered ones only tick the bar."""
+        seen = set()
+        for item in _limited(self.benchmark.items(), self.limit):
+            if item.id in seen:
+                raise RunError(f"{self.benchmark.name}: item id {item.id!r} occurs twice")
+            seen.add(item.id)
+            self.order.append(item.id)
+            stored = self.store.records.get(item.id)
+            # The digest was checked up front; a changed item can only be new here.
+            if stored is not None and stored["digest"] != item.digest:
+                raise RunError(f"{self.store.path}: item {item.id!r} changed during the run")
+            if stored is not None and stored["error"] is None:
+                self.progress.update()
+                continue
+            yield item
+
+    def record(self, item: Item, reply: str | None, error: str | None) -> None:
+        self.store.append(_record(self.benchmark, item, reply, error))
+        self.sent += 1
+        self.failed += error is not None
+        self.progress.update(failed=self.failed)
+
+    def finish(self) -> dict:
+        self.progress.close()
+        self.store.compact(self.order)
+        records = [self.store.records[i] for i in self.order]
+        results = {
+            **self.identity,
+            "num_items": len(records),
+            "complete": all(r["error"] is None for r in records),
+            **self.benchmark.results(records),
+        }
+        results = _json_safe(results)
+        write_text_atomic(self.directory / RESULTS_JSON, json.dumps(results, indent=2) + "\n")
+        write_text_atomic(self.directory / RESULTS_MD, self.benchmark.markdown(results))
+        return results
+
+    def abort(self) -> None:
+        self.progress.close()
+        self.store.close()
+
+
+def run(
+    benchmark: Benchmark,
+    client: Client,
+    output: str | pathlib.Path,
+    concurrency: int = 8,
+    limit: int | None = None,
+    progress: bool = True,
+) -> dict:
+    """Asks `client` every item of `benchmark` not yet answered in `output`; returns the results.
+
+    Up to `concurrency` requests are in flight (1 for clients that say so). A request that fails
+    for good (`ClientError`) is recorded with its error and retried by the next run; any other
+    exception stops the run after recording the replies already received.
+    """
+    concurrency = min(concurrency, getattr(client, "concurrency_limit", concurrency))
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+    session = _Session(
+        benchmark, {**benchmark.identity(), **client.identity()}, output, limit, progress
+    )
+
+    def ask(item: Item) -> tuple[str | None, str | None]:
+        try:
+            return client.generate(item.request), None
+        except ClientError as e:
+            return None, str(e)
+
+    pool = concurrent.futures.ThreadPoolExecutor(concurrency, thread_name_prefix="eval-mllm")
+    in_flight: dict[concurrent.futures.Future, Item] = {}
+
+    def settle(futures: Iterable[concurrent.futures.Future]) -> Exception | None:
+        """Records every finished reply; returns the first crash of a client call, if any."""
+        crash = None
+        for future in futures:
+            item = in_flight.pop(future)
+            try:
+                reply, error = future.result()
+            except Exception as e:  # a reply that arrived alongside must still be kept
+                crash = crash or e
+                continue
+            session.record(item, reply, error)
+        return crash
+
+    def drain(at_most: int) -> None:
+        # Record finished requests in the main thread until no more than `at_most` are in flight.
+        while len(in_flight) > at_most:
+            done, _ = concurrent.futures.wait(
+                in_flight, return_when=concurrent.futures.FIRST_COMPLETED
+            )
+            crash = settle(done)
+            if crash is not None:
+                raise crash
+
+    try:
+        for item in session.pending():
+            in_flight[pool.submit(ask, item)] = item
+            # A bounded window keeps memory flat however many items there are.
+            drain(2 * concurrency - 1)
+        drain(0)
+    except BaseException:
+        # Keep the replies already received; requests not yet sent are dropped.
+        pool.shutdown(wait=False, cancel_futures=True)
+        settle([f for f in list(in_flight) if f.done() and not f.cancelled()])
+        session.abort()
+        raise
+    pool.shutdown(wait=True)
+    return session.finish()
+
+
+def run_batched(
+    benchmark: Benchmark,
+    identity: dict,
+    answer_batch: Callable[[list[Item]], list[str]],
+    output: str | pathlib.Path,
+    batch_size: int = 64,
+    limit: int | None = None,
+    progress: bool = True,
+) -> dict:
+    """`run` for answerers that work on batches (the CLIP baseline): same files, same resume."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    session = _Session(benchmark, {**benchmark.identity(), **identity}, output, limit, progress)
+    batch: list[Item] = []
+
+    def flush() -> None:
+        replies = answer_batch(batch)
+        if len(replies) != len(batch):
+            raise RuntimeError(f"answered {len(replies)} of a batch of {len(batch)} items")
+        for item, reply in zip(batch, replies):
+            session.record(item, reply, None)
+        batch.clear()
+
+    try:
+        for item in session.pending():
+            batch.append(item)
+            if len(batch) == batch_size:
+                flush()
+        if batch:
+            flush()
+    except BaseException:
+        session.abort()
+        raise
+    return session.finish()

@@ -1,0 +1,243 @@
+"""`ood-jax mine foci | oodbench | oodg`: mining files the builders and the harness read.
+
+Each run function takes the parsed arguments and a scorer factory, path -> scorer (by default
+`ood_jax.scorers.from_hf`, imported only when a scorer is loaded), so tests can pass their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+from collections.abc import Callable
+from typing import Any
+
+ScorerFactory = Callable[[str], Any]
+
+
+def _from_hf(path: str):
+    from ood_jax import scorers
+
+    return scorers.from_hf(path)
+
+
+def _load_scorer(factory: ScorerFactory | None, path: str):
+    scorer = (factory or _from_hf)(path)
+    if scorer.kind not in ("clip", "siglip"):
+        raise ValueError(f"{path}: scorer kind {scorer.kind!r}; expected 'clip' or 'siglip'")
+    return scorer
+
+
+def _fail(error: Exception) -> SystemExit:
+    return SystemExit(f"error: {error}")
+
+
+def run_foci(args: argparse.Namespace, scorer_factory: ScorerFactory | None = None) -> None:
+    from ood_jax.data import building
+    from ood_jax.mining import foci
+
+    try:
+        source = foci.read_source(args.dataset, args.source)
+        scorer = _load_scorer(scorer_factory, args.scorer)
+        contents, accuracy = foci.mine_source(
+            source,
+            scorer,
+            templates=args.templates,
+            batch_size=args.batch_size,
+            chunk_size=args.chunk_size,
+            progress=not args.quiet,
+        )
+    except (ValueError, building.BuildError) as e:
+        raise _fail(e) from None
+    out = pathlib.Path(args.out) if args.out else source.root / source.options_file
+    foci.write_json_atomic(out, contents)
+    print(
+        f"{len(source.images)} images, {len(source.class_names)} classes -> {out}\n"
+        f"zero-shot accuracy of this scorer: {accuracy['all_classes']:.4f} over all classes, "
+        f"{accuracy['options']:.4f} over the {foci.NUM_OPTIONS} options (the same number when "
+        "one scorer both mines and answers: its top wrong class is always an option)"
+    )
+
+
+def _scorer_names(paths: list[str]) -> list[str]:
+    names = []
+    for path in paths:
+        name = pathlib.Path(path).name or path
+        names.append(name if name not in names else f"{name}#{len(names)}")
+    return names
+
+
+def run_oodbench(args: argparse.Namespace, scorer_factory: ScorerFactory | None = None) -> None:
+    from ood_jax.data import building
+    from ood_jax.mining import oodbench
+
+    max_per_split = args.max_per_split or None
+    try:
+        pairs = oodbench.read_pairs(args.source)
+        scores = {}
+        for name, path in zip(_scorer_names(args.scorer), args.scorer):
+            scorer = _load_scorer(scorer_factory, path)
+            print(f"scoring {len(pairs.image_ids)} pairs with {name} ({scorer.kind})")
+            scores[name] = oodbench.score_pairs(
+                pairs, scorer, args.templates, args.batch_size, progress=not args.quiet
+            )
+        records = oodbench.split_records(pairs, scores, args.threshold, max_per_split, args.seed)
+    except (ValueError, building.BuildError) as e:
+        raise _fail(e) from None
+    out = pathlib.Path(args.out) if args.out else pathlib.Path(args.source) / "splits.jsonl"
+    oodbench.write_jsonl_atomic(out, records)
+    labels = oodbench.assign_splits(scores, args.threshold)
+    print(f"{len(labels)} pairs scored; threshold {args.threshold}")
+    for split in oodbench.SPLITS:
+        kept = sum(r["split"] == split for r in records)
+        print(f"  {split}: {int((labels == split).sum())} pairs, {kept} written")
+    print(f"-> {out}")
+
+
+def run_oodg(args: argparse.Namespace, scorer_factory: ScorerFactory | None = None) -> None:
+    del scorer_factory  # OODG items need no scorer; the argument keeps the run signature uniform.
+    from ood_jax.mining import oodg
+
+    try:
+        builder = oodg.load_builder(args.dataset, args.data_dir)
+        test_records = oodg.read_records(builder, args.split, args.domains)
+        # Examples may come from any domain of their split, whatever the test domains are.
+        ice_split = args.ice_split or args.split
+        if args.ice == 0:
+            example_records = []
+        elif ice_split == args.split and args.domains is None:
+            example_records = test_records
+        else:
+            example_records = oodg.read_records(builder, ice_split)
+        make_units = oodg.UNIT_BUILDERS[args.task]
+        test_units = make_units(test_records)
+        if not test_units:
+            raise ValueError(f"{args.dataset} {args.split}: no {args.task} units")
+        label_names = builder.info.features["objects"]["label"].names
+        plan = oodg.build_items(
+            test_units,
+            make_units(example_records),
+            label_names,
+            oodg.concepts_of(label_names),
+            args.setting,
+            args.ice,
+            args.num_items,
+            args.seed,
+        )
+        if not plan.items:
+            raise ValueError(
+                f"no item could be built: all {plan.considered} test units lack {args.ice} "
+                f"eligible in-context examples for {args.setting}"
+            )
+        path = oodg.write(builder, plan, args.out)
+    except ValueError as e:
+        raise _fail(e) from None
+    print(
+        f"{len(plan.items)} {args.task} items ({args.setting}, {args.ice} in-context examples), "
+        f"{len(plan.units)} images -> {path}"
+    )
+    if plan.skipped:
+        print(f"  {plan.skipped} test units skipped: too few eligible in-context examples")
+    if len(plan.items) < args.num_items:
+        print(
+            f"  {args.num_items} items asked for, {len(plan.items)} possible",
+            file=sys.stderr,
+        )
+
+
+def add_parsers(subparsers) -> None:
+    """Adds `mine` with its sub-subcommands foci, oodbench and oodg to an ood-jax parser."""
+    from ood_jax import mining
+    from ood_jax.mining import foci, oodbench, oodg
+
+    mine = subparsers.add_parser("mine", help="mine FOCI options, OODBench splits, OODG items")
+    sub = mine.add_subparsers(dest="mine_command", required=True)
+
+    p = sub.add_parser(
+        "foci",
+        help="FOCI options: the truth and the 3 wrong classes a CLIP scorer ranks highest",
+        description=foci.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--dataset", required=True, help="FOCI config, e.g. food101 or foci/custom")
+    p.add_argument(
+        "--source",
+        "--data-dir",
+        dest="source",
+        required=True,
+        help="the directory the foci builder reads (its --source)",
+    )
+    p.add_argument("--scorer", required=True, help="scorer checkpoint directory (ood_jax.scorers)")
+    p.add_argument(
+        "--out", help="options file (default: where the builder reads it in the source directory)"
+    )
+    p.add_argument(
+        "--templates",
+        nargs="+",
+        default=list(foci.DEFAULT_TEMPLATES),
+        help="class text templates, averaged (default: FOCI's 'an image of a {}')",
+    )
+    _add_common(p, mining.DEFAULT_CHUNK_SIZE)
+    p.set_defaults(run=run_foci)
+
+    p = sub.add_parser(
+        "oodbench",
+        help="OODBench splits.jsonl: ID / OOD-S / OOD-H pairs by scorer probability < T",
+        description=oodbench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--source", required=True, help="COCO/LVIS directory the oodbench builder reads")
+    p.add_argument(
+        "--scorer",
+        action="append",
+        required=True,
+        help="a scorer checkpoint; repeat for each (the paper uses CLIP and BLIP-2; BLIP-2 is not "
+        "implemented, so use e.g. CLIP and SigLIP)",
+    )
+    p.add_argument("--threshold", type=float, default=oodbench.THRESHOLD, help="T (default 0.05)")
+    p.add_argument(
+        "--max-per-split",
+        type=int,
+        default=oodbench.MAX_PER_SPLIT,
+        help="downsample larger splits to this many pairs (default 6000; 0 keeps all)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the ID draw and the downsampling")
+    p.add_argument("--out", help="splits file (default: SOURCE/splits.jsonl)")
+    p.add_argument(
+        "--templates",
+        nargs="+",
+        default=list(oodbench.DEFAULT_TEMPLATES),
+        help="category text templates, averaged (default: 'a photo of a {}.')",
+    )
+    _add_common(p, chunk_size=None)
+    p.set_defaults(run=run_oodbench)
+
+    p = sub.add_parser(
+        "oodg",
+        help="COUNTS OODG items: drawn images and items.jsonl for the MLLM harness",
+        description=oodg.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--dataset", required=True, help="counts or synthetic_shifts/CONFIG (built)")
+    p.add_argument("--data-dir", required=True, help="TFDS data directory holding the dataset")
+    p.add_argument("--split", default="test", help="source split of the test units (default test)")
+    p.add_argument("--domains", nargs="+", help="test domains (default: every domain of the split)")
+    p.add_argument(
+        "--ice-split", help="source split the in-context examples come from (default: --split)"
+    )
+    p.add_argument("--task", required=True, choices=oodg.TASKS)
+    p.add_argument("--setting", required=True, choices=oodg.SETTINGS)
+    p.add_argument("--ice", type=int, default=0, help="in-context examples per item (default 0)")
+    p.add_argument("--num-items", type=int, required=True, help="items to write")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="output directory (images/ and items.jsonl)")
+    p.set_defaults(run=run_oodg)
+
+
+def _add_common(p: argparse.ArgumentParser, chunk_size: int | None) -> None:
+    p.add_argument("--batch-size", type=int, default=256, help="images encoded per batch")
+    if chunk_size is not None:
+        p.add_argument(
+            "--chunk-size", type=int, default=chunk_size, help="images per jitted mining step"
+        )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -1,0 +1,274 @@
+"""OODBench splits: image-category pairs scored by contrastive models, split into ID, OOD-S, OOD-H.
+
+The paper scores an image x with a category c by S(x, c), a contrastive model's probability of c
+for x, and takes a pair as an OOD candidate when S(x, c) < T (T = 0.05, its ablation's choice).
+With two scorers, a pair below T for both is OOD-H (hard), below T for one only OOD-S (soft);
+this generalizes to any number: OOD-H when every scorer is below T, OOD-S when some are.
+
+- CLIP: S(x, c) = softmax over the dataset's category names of logit_scale * cos(x, c), taken at c
+  (`clip_probability`), the posterior the paper's InfoNCE section writes down.
+- SigLIP: S(x, c) = sigmoid(logit_scale * cos(x, c) + logit_bias) (`siglip_probability`), the
+  pairwise probability SigLIP is trained to give. The paper's second scorer is BLIP-2; BLIP-2 is
+  not implemented here, and `ood-jax mine oodbench` defaults to CLIP + SigLIP instead.
+
+Which pairs are scored: Definition 1 makes an instance OOD when the object "is spatially present"
+but contextually irrelevant, or present in an anomalous form, so every candidate pair is an image
+with a category present in its annotations (a non-crowd or crowd instance). ID data are
+"obtained by randomly pairing images and categories and excluding pairs identified as OOD": here
+a uniform random draw, without replacement, from the same annotated pairs that no scorer put
+below T. A category absent from an image is never paired with it: without an instance there is
+no object whose semantics could be in or out of distribution.
+
+Downsampling: a split with more than 6,000 pairs ("the original OODBench benchmark introduces a
+random downsampling strategy when the number of samples exceeds 6,000") keeps a seeded uniform
+random 6,000; each split draws from its own stream of the seed, so the ID draw does not depend
+on how many OOD pairs there are. `max_per_split=None` keeps everything, as the paper's ablations
+do.
+
+Text for a category: its name with "_" read as a space (LVIS), formatted into each template and
+averaged over templates by the scorer. The paper does not print its prompt; the default template
+"a photo of a {}." is CLIP's usual one and a choice of this project.
+
+Source layout: the oodbench builder's, `SRC/annotations.json` (COCO or LVIS) and
+`SRC/images/<file_name>`; the output is the builder's `SRC/splits.jsonl`, one
+`{"image_id", "category", "split"}` object per line, plus each scorer's `scores` (ignored by the
+builder, kept for analysis).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ood_jax import mining
+
+THRESHOLD = 0.05
+MAX_PER_SPLIT = 6000
+SPLITS = ("ID", "OOD-S", "OOD-H")
+DEFAULT_TEMPLATES = ("a photo of a {}.",)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scores
+# ---------------------------------------------------------------------------------------------
+
+
+def _cosine(images, texts):
+    images = images / jnp.linalg.norm(images, axis=-1, keepdims=True)
+    texts = texts / jnp.linalg.norm(texts, axis=-1, keepdims=True)
+    return images @ texts.T
+
+
+@jax.jit
+def _softmax_at(images, categories, texts, logit_scale):
+    logits = logit_scale * _cosine(images, texts)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    return jnp.exp(jnp.take_along_axis(log_probs, categories[:, None], axis=1)[:, 0])
+
+
+@jax.jit
+def _sigmoid_at(images, categories, texts, logit_scale, logit_bias):
+    cosine = jnp.take_along_axis(_cosine(images, texts), categories[:, None], axis=1)[:, 0]
+    return jax.nn.sigmoid(logit_scale * cosine + logit_bias)
+
+
+def _checked(image_features, text_features, categories):
+    texts = mining.check_features("text_features", text_features)
+    images = mining.check_features("image_features", image_features, texts.shape[1])
+    categories = mining.check_indices("categories", categories, len(texts), len(images))
+    for name, features in (("image_features", images), ("text_features", texts)):
+        zero = ~np.any(features, axis=1)
+        if zero.any():
+            raise ValueError(f"{name} row {int(np.argmax(zero))} is all zeros")
+    return images, texts, categories
+
+
+def clip_probability(
+    image_features: np.ndarray,
+    text_features: np.ndarray,
+    categories: np.ndarray,
+    logit_scale: float,
+    chunk_size: int = mining.DEFAULT_CHUNK_SIZE,
+) -> np.ndarray:
+    """float32 [N]: softmax over all C categories of logit_scale * cosine, at each pair's category.
+
+    image_features [N, D] (one row per pair), text_features [C, D] (every category of the
+    dataset), categories [N] (index of each pair's category); both features normalized here.
+    """
+    images, texts, categories = _checked(image_features, text_features, categories)
+    scale = np.float32(logit_scale)
+    fn = functools.partial(_softmax_at, logit_scale=scale)
+    return mining.map_rows_in_chunks(fn, [images, categories], [texts], chunk_size)[0]
+
+
+def siglip_probability(
+    image_features: np.ndarray,
+    text_features: np.ndarray,
+    categories: np.ndarray,
+    logit_scale: float,
+    logit_bias: float,
+    chunk_size: int = mining.DEFAULT_CHUNK_SIZE,
+) -> np.ndarray:
+    """float32 [N]: sigmoid(logit_scale * cosine + logit_bias) of each pair's category."""
+    images, texts, categories = _checked(image_features, text_features, categories)
+    fn = functools.partial(
+        _sigmoid_at, logit_scale=np.float32(logit_scale), logit_bias=np.float32(logit_bias)
+    )
+    return mining.map_rows_in_chunks(fn, [images, categories], [texts], chunk_size)[0]
+
+
+def assign_splits(scores: Mapping[str, np.ndarray], threshold: float = THRESHOLD) -> np.ndarray:
+    """Per pair "OOD-H" (every scorer < threshold), "OOD-S" (some, not all) or "ID" (none)."""
+    if not scores:
+        raise ValueError("no scores given")
+    arrays = {}
+    for name, values in scores.items():
+        values = np.asarray(values, np.float64)
+        if values.ndim != 1:
+            raise ValueError(f"scores[{name!r}] must be 1-D, got shape {values.shape}")
+        if np.isnan(values).any():
+            raise ValueError(f"scores[{name!r}][{int(np.argmax(np.isnan(values)))}] is NaN")
+        arrays[name] = values
+    lengths = {name: len(v) for name, v in arrays.items()}
+    if len(set(lengths.values())) != 1:
+        raise ValueError(f"scores differ in length: {lengths}")
+    below = np.stack([v < threshold for v in arrays.values()])
+    return np.where(below.all(0), "OOD-H", np.where(below.any(0), "OOD-S", "ID"))
+
+
+def sample_splits(
+    labels: np.ndarray, max_per_split: int | None = MAX_PER_SPLIT, seed: int = 0
+) -> dict[str, np.ndarray]:
+    """Split -> sorted indices of the pairs kept: all of a split, or a seeded random max_per_split.
+
+    ID pairs are those `assign_splits` calls "ID", so an OOD pair can never be drawn as ID.
+    """
+    if max_per_split is not None and max_per_split < 1:
+        raise ValueError(f"max_per_split must be positive or None, got {max_per_split}")
+    labels = np.asarray(labels)
+    kept = {}
+    for stream, split in enumerate(SPLITS):
+        members = np.flatnonzero(labels == split)
+        if max_per_split is not None and len(members) > max_per_split:
+            rng = np.random.default_rng([seed, stream])
+            members = np.sort(rng.choice(members, size=max_per_split, replace=False))
+        kept[split] = members
+    return kept
+
+
+# ---------------------------------------------------------------------------------------------
+# From a COCO / LVIS source to splits.jsonl
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Pairs:
+    """The annotated (image, category) pairs of a source, and what scoring them needs."""
+
+    image_ids: np.ndarray  # [P] image id of each pair
+    category_ids: np.ndarray  # [P] category id of each pair
+    image_files: dict[int, pathlib.Path]  # image id -> file, for the images in some pair
+    category_names: dict[int, str]  # every category of the dataset, id -> name
+
+
+def read_pairs(root: str | pathlib.Path) -> Pairs:
+    """Every (image, category present in its annotations) pair, ordered by image then category."""
+    from tfds_builders.oodbench import oodbench_dataset_builder as builder
+
+    root = pathlib.Path(root)
+    # The builder's reader: the same validation, file names and presence rules as the build.
+    categories, _, images = builder._read_annotations(root / "annotations.json")
+    image_ids, category_ids, files = [], [], {}
+    for image_id in sorted(images):
+        present = images[image_id].annotated()
+        if present:
+            files[image_id] = root / "images" / images[image_id].file_name
+        image_ids += [image_id] * len(present)
+        category_ids += present
+    if not image_ids:
+        raise ValueError(f"{root / 'annotations.json'}: no annotated image-category pairs")
+    return Pairs(
+        image_ids=np.array(image_ids, np.int64),
+        category_ids=np.array(category_ids, np.int64),
+        image_files=files,
+        category_names=dict(sorted(categories.items())),
+    )
+
+
+def category_text(name: str) -> str:
+    # LVIS names join words with underscores ("baseball_bat").
+    return name.replace("_", " ")
+
+
+def score_pairs(
+    pairs: Pairs,
+    scorer,
+    templates: Sequence[str] = DEFAULT_TEMPLATES,
+    batch_size: int = 256,
+    progress: bool = True,
+) -> np.ndarray:
+    """float32 [P]: S(x, c) of each pair under one scorer (softmax for CLIP, sigmoid for SigLIP)."""
+    from ood_jax.mining import foci
+
+    category_ids = list(pairs.category_names)
+    texts = [category_text(pairs.category_names[c]) for c in category_ids]
+    text_features = np.asarray(scorer.encode_texts(texts, templates=tuple(templates)), np.float32)
+    image_ids = sorted(pairs.image_files)
+    image_features = foci.encode_image_files(
+        scorer, [pairs.image_files[i] for i in image_ids], batch_size, progress
+    )
+    row = {image_id: k for k, image_id in enumerate(image_ids)}
+    column = {category_id: k for k, category_id in enumerate(category_ids)}
+    pair_images = image_features[[row[i] for i in pairs.image_ids.tolist()]]
+    pair_categories = np.array([column[c] for c in pairs.category_ids.tolist()], np.int32)
+    if scorer.kind == "clip":
+        return clip_probability(pair_images, text_features, pair_categories, scorer.logit_scale)
+    if scorer.kind == "siglip":
+        if scorer.logit_bias is None:
+            raise ValueError("a SigLIP scorer needs a logit_bias")
+        return siglip_probability(
+            pair_images, text_features, pair_categories, scorer.logit_scale, scorer.logit_bias
+        )
+    raise ValueError(f"unknown scorer kind {scorer.kind!r}; expected 'clip' or 'siglip'")
+
+
+def split_records(
+    pairs: Pairs,
+    scores: Mapping[str, np.ndarray],
+    threshold: float = THRESHOLD,
+    max_per_split: int | None = MAX_PER_SPLIT,
+    seed: int = 0,
+) -> list[dict]:
+    """splits.jsonl records: ID, then OOD-S, then OOD-H, each by image id and category id."""
+    labels = assign_splits(scores, threshold)
+    if len(labels) != len(pairs.image_ids):
+        raise ValueError(f"{len(labels)} scores for {len(pairs.image_ids)} pairs")
+    records = []
+    for split, members in sample_splits(labels, max_per_split, seed).items():
+        for i in members.tolist():
+            records.append(
+                {
+                    "image_id": int(pairs.image_ids[i]),
+                    "category": pairs.category_names[int(pairs.category_ids[i])],
+                    "split": split,
+                    "scores": {name: float(values[i]) for name, values in scores.items()},
+                }
+            )
+    return records
+
+
+def write_jsonl_atomic(path: str | pathlib.Path, records: Sequence[dict]) -> None:
+    """One JSON object per line, written beside the target and renamed into place."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    os.replace(tmp, path)

@@ -1,0 +1,194 @@
+"""A resumable on-disk cache of embeddings keyed by example id.
+
+    cache = EmbeddingCache("work/clip_cache", shard_size=4096, identity=scorer.identity)
+    features = cache.compute(paths, fetch_fn=read_images, encode_fn=scorer.encode_images)
+
+`compute` looks every id up in the shards already written, then fetches and encodes the missing
+ones `shard_size` at a time, writing each group as a shard (npz with "ids" and float32
+"embeddings", written beside its final name and renamed, so a shard is either whole or absent)
+before starting the next. A run killed part way loses at most the shard in progress: rerunning
+it reads the finished shards and encodes the rest, and returns the same array as a run that was
+never interrupted.
+
+manifest.json records the scorer's identity (checkpoint path, config hash, dtype, ...: whatever
+`identity` holds) and the embedding width; opening the directory with another identity fails
+instead of mixing embeddings of two models. Ids are compared as strings. One writer at a time.
+"""
+
+import json
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+SHARD_PATTERN = re.compile(r"shard-(\d{6})\.npz")
+
+
+def _atomic_write(path: Path, write: Callable[[Any], None]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _canonical(identity: Mapping[str, Any]) -> dict[str, Any]:
+    """The identity as it reads back from JSON (tuples become lists, keys sorted)."""
+    return json.loads(json.dumps(dict(identity), sort_keys=True))
+
+
+class EmbeddingCache:
+    """Embeddings of examples, by id, in shards under `directory` (see the module docstring).
+
+    Args:
+      directory: created if missing.
+      shard_size: ids fetched, encoded and written together.
+      identity: JSON-serializable description of what produced the embeddings (e.g.
+        `Scorer.identity`, plus anything else that changes them, such as text templates).
+
+    Raises:
+      ValueError when the directory holds a cache of another identity or an unreadable manifest.
+    """
+
+    def __init__(self, directory: str | Path, shard_size: int = 1024, *, identity: Mapping):
+        if shard_size < 1:
+            raise ValueError(f"shard_size must be positive, got {shard_size}")
+        self.directory = Path(directory)
+        self.shard_size = int(shard_size)
+        self.identity = _canonical(identity)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.manifest = self._open_manifest()
+
+    # ------------------------------------------------------------------ manifest
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.directory / MANIFEST
+
+    def _write_manifest(self, manifest: dict[str, Any]) -> None:
+        text = json.dumps(manifest, indent=2, sort_keys=True).encode()
+        _atomic_write(self.manifest_path, lambda f: f.write(text))
+
+    def _open_manifest(self) -> dict[str, Any]:
+        path = self.manifest_path
+        if not path.exists():
+            if self.shard_paths():
+                raise ValueError(f"{self.directory}: shards without a {MANIFEST}; not a cache")
+            manifest = {"format_version": FORMAT_VERSION, "identity": self.identity, "dim": None}
+            self._write_manifest(manifest)
+            return manifest
+        try:
+            manifest = json.loads(path.read_text())
+            version, identity = manifest["format_version"], manifest["identity"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: not an embedding cache manifest ({e!r})") from None
+        if version != FORMAT_VERSION:
+            raise ValueError(f"{path}: format_version {version!r}; this reads {FORMAT_VERSION}")
+        if identity != self.identity:
+            raise ValueError(
+                f"{path}: this cache holds embeddings of another scorer:\n"
+                f"  cached:    {json.dumps(identity, sort_keys=True)}\n"
+                f"  requested: {json.dumps(self.identity, sort_keys=True)}\n"
+                "use another directory (or delete this one to recompute)"
+            )
+        return manifest
+
+    # ------------------------------------------------------------------ shards
+
+    def shard_paths(self) -> list[Path]:
+        return sorted(p for p in self.directory.iterdir() if SHARD_PATTERN.fullmatch(p.name))
+
+    def _read_ids(self, path: Path) -> np.ndarray:
+        try:
+            with np.load(path, allow_pickle=False) as shard:
+                return shard["ids"]
+        except Exception as e:
+            raise ValueError(f"{path}: unreadable cache shard ({e!r})") from e
+
+    def _read_embeddings(self, path: Path) -> np.ndarray:
+        try:
+            with np.load(path, allow_pickle=False) as shard:
+                return shard["embeddings"]
+        except Exception as e:
+            raise ValueError(f"{path}: unreadable cache shard ({e!r})") from e
+
+    def _write_shard(self, ids: Sequence[str], embeddings: np.ndarray) -> Path:
+        numbers = [int(SHARD_PATTERN.fullmatch(p.name).group(1)) for p in self.shard_paths()]
+        path = self.directory / f"shard-{max(numbers, default=-1) + 1:06d}.npz"
+        ids_array = np.asarray(list(ids), dtype=str)
+        _atomic_write(path, lambda f: np.savez(f, ids=ids_array, embeddings=embeddings))
+        return path
+
+    def index(self) -> dict[str, tuple[Path, int]]:
+        """id -> (shard, row) of everything cached."""
+        out: dict[str, tuple[Path, int]] = {}
+        for path in self.shard_paths():
+            for row, key in enumerate(self._read_ids(path).tolist()):
+                out.setdefault(key, (path, row))
+        return out
+
+    # ------------------------------------------------------------------ compute
+
+    def compute(
+        self,
+        ids: Iterable[Any],
+        fetch_fn: Callable[[list[str]], Any],
+        encode_fn: Callable[[Any], np.ndarray],
+    ) -> np.ndarray:
+        """float32 [len(ids), D] embeddings of `ids`, in order, computing only the missing ones.
+
+        Args:
+          ids: example ids (compared as strings; repeats are computed once).
+          fetch_fn: a list of missing ids -> what `encode_fn` takes (e.g. their images).
+          encode_fn: fetched examples -> [n, D] embeddings, one row per id.
+        """
+        keys = [str(i) for i in ids]
+        index = self.index()
+        missing = list(dict.fromkeys(k for k in keys if k not in index))
+        for start in range(0, len(missing), self.shard_size):
+            chunk = missing[start : start + self.shard_size]
+            embeddings = self._checked(np.asarray(encode_fn(fetch_fn(chunk))), len(chunk))
+            path = self._write_shard(chunk, embeddings)
+            index.update({key: (path, row) for row, key in enumerate(chunk)})
+        return self._gather(keys, index)
+
+    def _checked(self, embeddings: np.ndarray, rows: int) -> np.ndarray:
+        dim = self.manifest["dim"]
+        if embeddings.ndim != 2 or embeddings.shape[0] != rows:
+            raise ValueError(
+                f"encode_fn returned shape {embeddings.shape} for {rows} ids; expected [{rows}, D]"
+            )
+        if dim is None:
+            self.manifest = {**self.manifest, "dim": int(embeddings.shape[1])}
+            self._write_manifest(self.manifest)
+        elif embeddings.shape[1] != dim:
+            raise ValueError(
+                f"encode_fn returned width {embeddings.shape[1]}; {self.manifest_path} says {dim}"
+            )
+        return embeddings.astype(np.float32, copy=False)
+
+    def _gather(self, keys: Sequence[str], index: Mapping[str, tuple[Path, int]]) -> np.ndarray:
+        dim = self.manifest["dim"]
+        out = np.zeros((len(keys), dim or 0), np.float32)
+        by_shard: dict[Path, list[tuple[int, int]]] = {}
+        for i, key in enumerate(keys):
+            path, row = index[key]
+            by_shard.setdefault(path, []).append((i, row))
+        for path, pairs in by_shard.items():
+            embeddings = self._read_embeddings(path)
+            if embeddings.ndim != 2 or embeddings.shape[1] != dim:
+                raise ValueError(
+                    f"{path}: embeddings of shape {embeddings.shape}, expected [n, {dim}]"
+                )
+            targets, rows = map(list, zip(*pairs))
+            out[targets] = embeddings[rows]
+        return out

@@ -1,0 +1,422 @@
+"""The MLLM clients: the OpenAI-compatible HTTP client against a chat-completions server started
+here on 127.0.0.1, and the local transformers client against a greedy loop written here, on a
+tiny random-weight LLaVA built offline."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import io
+import json
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from ood_jax.eval import clients
+from ood_jax.eval.clients import ClientError, ImageInput, OpenAIChatClient, Request
+
+KEY_ENV = "OOD_JAX_TEST_API_KEY"
+KEY = "sk-test-0123456789-secret"
+
+
+def completion(text: str) -> dict:
+    return {"id": "x", "object": "chat.completion", "choices": [{"message": {"content": text}}]}
+
+
+def prompt_text(body: dict) -> str:
+    """The user turn's text parts, joined: what a deterministic test server answers from."""
+    return "".join(p["text"] for p in body["messages"][0]["content"] if p["type"] == "text")
+
+
+def image_parts(body: dict) -> list[bytes]:
+    urls = [p["image_url"]["url"] for p in body["messages"][0]["content"] if p["type"] != "text"]
+    return [base64.b64decode(url.split(",", 1)[1]) for url in urls]
+
+
+class ChatServer:
+    """An OpenAI-compatible /v1/chat/completions server on 127.0.0.1, in a thread.
+
+    `respond(body, attempt)` -> (status, headers, payload dict or bytes); `attempt` counts the
+    requests seen with the same body (1 for the first). Every request is kept in `requests` as
+    (path, headers, body).
+    """
+
+    def __init__(self, respond):
+        self.respond = respond
+        self.requests: list[tuple[str, dict, dict]] = []
+        self._attempts: dict[bytes, int] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def hits(self) -> int:
+        return len(self.requests)
+
+    def __enter__(self) -> "ChatServer":
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                raw = self.rfile.read(int(self.headers["Content-Length"]))
+                body = json.loads(raw)
+                with server._lock:
+                    server.requests.append((self.path, dict(self.headers), body))
+                    server._attempts[raw] = server._attempts.get(raw, 0) + 1
+                    attempt = server._attempts[raw]
+                status, headers, payload = server.respond(body, attempt)
+                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._server.shutdown()
+        self._server.server_close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}/v1"
+
+
+def _png(seed: int, size=(5, 7)) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
+    return ImageInput.from_array(pixels).data
+
+
+def _jpeg(seed: int) -> bytes:
+    buffer = io.BytesIO()
+    pixels = np.random.default_rng(seed).integers(0, 256, (6, 4, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(buffer, format="JPEG")
+    return buffer.getvalue()
+
+
+@pytest.fixture
+def api_key(monkeypatch):
+    monkeypatch.setenv(KEY_ENV, KEY)
+    return KEY
+
+
+def _client(server_url: str, sleeps: list | None = None, **kwargs) -> OpenAIChatClient:
+    kwargs.setdefault("max_attempts", 4)
+    kwargs.setdefault("backoff_base_s", 0.01)
+    return OpenAIChatClient(
+        server_url,
+        "test-model",
+        api_key_env=KEY_ENV,
+        sleep=(sleeps.append if sleeps is not None else time.sleep),
+        seed=0,
+        **kwargs,
+    )
+
+
+# --- requests ------------------------------------------------------------------------------------
+
+
+def test_payload_interleaves_images_at_placeholders():
+    first, second = _png(1), _jpeg(2)
+    request = Request("Examples: <image> is (A).\nFinal: <image>\nWhich?", (
+        ImageInput.from_bytes(first), ImageInput.from_bytes(second)))  # fmt: skip
+    client = OpenAIChatClient("http://127.0.0.1:9/v1", "m", max_tokens=7)
+    payload = client.payload(request)
+    assert payload["model"] == "m"
+    assert payload["temperature"] == 0
+    assert payload["max_tokens"] == 7
+    parts = payload["messages"][0]["content"]
+    assert [p["type"] for p in parts] == ["text", "image_url", "text", "image_url", "text"]
+    assert [p["text"] for p in parts if p["type"] == "text"] == [
+        "Examples: ",
+        " is (A).\nFinal: ",
+        "\nWhich?",
+    ]
+    urls = [p["image_url"]["url"] for p in parts if p["type"] == "image_url"]
+    assert urls[0].startswith("data:image/png;base64,")
+    assert urls[1].startswith("data:image/jpeg;base64,")
+    assert image_parts(payload) == [first, second]
+    # An image-first prompt sends no empty text part.
+    lead = Request("<image>Which?", (ImageInput.from_bytes(first),))
+    assert [p["type"] for p in client.payload(lead)["messages"][0]["content"]] == [
+        "image_url",
+        "text",
+    ]
+    with pytest.raises(ValueError, match="2 <image> placeholders but 1 images"):
+        client.payload(Request("<image><image>", (ImageInput.from_bytes(first),)))
+
+
+def test_png_from_array_is_lossless_and_bad_bytes_fail():
+    pixels = np.random.default_rng(3).integers(0, 256, (9, 11, 3), dtype=np.uint8)
+    image = ImageInput.from_array(pixels)
+    assert np.array_equal(np.asarray(image.to_pil()), pixels)
+    with pytest.raises(ValueError, match="item 7 image 0: not a PNG or JPEG"):
+        ImageInput.from_bytes(b"GIF89a....", "item 7 image 0")
+
+
+# --- retries -------------------------------------------------------------------------------------
+
+
+def test_retries_rate_limits_and_server_errors_honouring_retry_after(api_key):
+    script = {1: (429, {"Retry-After": "3"}), 2: (503, {}), 3: (500, {})}
+
+    def respond(body, attempt):
+        if attempt in script:
+            status, headers = script[attempt]
+            return status, headers, {"error": "busy"}
+        return 200, {}, completion(f"echo {prompt_text(body)}")
+
+    sleeps: list[float] = []
+    with ChatServer(respond) as server:
+        reply = _client(server.url, sleeps).generate(Request("hello"))
+    assert reply == "echo hello"
+    assert server.hits == 4
+    assert all(path == "/v1/chat/completions" for path, _, _ in server.requests)
+    assert all(h["Authorization"] == f"Bearer {KEY}" for _, h, _ in server.requests)
+    # Retry-After (3 s) beats the 0.01 s backoff; then equal jitter in [d/2, d], d doubling.
+    assert sleeps[0] == 3.0
+    assert 0.01 <= sleeps[1] <= 0.02
+    assert 0.02 <= sleeps[2] <= 0.04
+
+
+def test_gives_up_after_max_attempts_without_leaking_the_key(api_key):
+    def respond(body, attempt):
+        # A careless server that echoes the request's headers in its error body.
+        return 500, {}, {"error": "boom", "saw": "Authorization: Bearer " + KEY}
+
+    sleeps: list[float] = []
+    with ChatServer(respond) as server:
+        with pytest.raises(ClientError, match="gave up after 3 attempts.*HTTP 500") as info:
+            _client(server.url, sleeps, max_attempts=3).generate(Request("x"))
+    assert server.hits == 3
+    assert len(sleeps) == 2
+    assert KEY not in str(info.value)
+    assert "***" in str(info.value)
+
+
+@pytest.mark.parametrize("status", [400, 401, 404])
+def test_client_errors_are_not_retried(api_key, status):
+    with ChatServer(lambda body, attempt: (status, {}, {"error": "no"})) as server:
+        with pytest.raises(ClientError, match=f"HTTP {status}"):
+            _client(server.url, []).generate(Request("x"))
+    assert server.hits == 1
+
+
+def test_connection_refused_is_retried_then_fails():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sleeps: list[float] = []
+    client = _client(f"http://127.0.0.1:{port}/v1", sleeps, max_attempts=3)
+    with pytest.raises(ClientError, match="gave up after 3 attempts.*cannot reach"):
+        client.generate(Request("x"))
+    assert len(sleeps) == 2
+
+
+def test_timeout_is_retried():
+    def respond(body, attempt):
+        if attempt == 1:
+            time.sleep(0.6)
+        return 200, {}, completion("late but fine")
+
+    with ChatServer(respond) as server:
+        reply = _client(server.url, [], timeout_s=0.2).generate(Request("slow"))
+    assert reply == "late but fine"
+    assert server.hits == 2
+
+
+def test_malformed_completion_fails_at_once():
+    with ChatServer(lambda body, attempt: (200, {}, b"<html>oops</html>")) as server:
+        with pytest.raises(ClientError, match="sent no chat completion"):
+            _client(server.url, []).generate(Request("x"))
+    assert server.hits == 1
+
+
+def test_content_parts_reply_is_joined():
+    payload = {"choices": [{"message": {"content": [{"type": "text", "text": "B"}, {"x": 1}]}}]}
+    with ChatServer(lambda body, attempt: (200, {}, payload)) as server:
+        assert _client(server.url, []).generate(Request("x")) == "B"
+
+
+# --- where requests go --------------------------------------------------------------------------
+
+
+def test_no_key_sends_no_authorization(monkeypatch):
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    with ChatServer(lambda body, attempt: (200, {}, completion("ok"))) as server:
+        client = _client(server.url, [])
+        assert not client.has_api_key
+        client.generate(Request("x"))
+    assert "Authorization" not in server.requests[0][1]
+
+
+def test_proxies_are_ignored_and_redirects_refused(api_key, monkeypatch):
+    # A proxy from the environment would receive the request (and the key): it is not used.
+    for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.setenv(name, "http://127.0.0.1:1")
+    with ChatServer(lambda body, attempt: (200, {}, completion("direct"))) as server:
+        assert _client(server.url, []).generate(Request("x")) == "direct"
+    assert server.hits == 1
+
+    with ChatServer(lambda body, attempt: (200, {}, completion("elsewhere"))) as other:
+        location = other.url + "/chat/completions"
+        with ChatServer(lambda body, attempt: (307, {"Location": location}, b"")) as server:
+            with pytest.raises(ClientError, match="redirect to .* refused"):
+                _client(server.url, []).generate(Request("x"))
+        assert server.hits == 1
+        assert other.hits == 0
+
+
+def test_concurrent_calls_share_one_client(api_key):
+    def respond(body, attempt):
+        return 200, {}, completion(prompt_text(body).upper())
+
+    with ChatServer(respond) as server:
+        client = _client(server.url, [])
+        threads, replies = [], {}
+        for k in range(8):
+
+            def call(k=k):
+                replies[k] = client.generate(Request(f"item {k}"))
+
+            threads.append(threading.Thread(target=call))
+            threads[-1].start()
+        for t in threads:
+            t.join()
+    assert replies == {k: f"ITEM {k}" for k in range(8)}
+
+
+# --- the local transformers client ---------------------------------------------------------------
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'].upper() }}: {% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<image> {% else %}{{ c['text'] }} {% endif %}{% endfor %}"
+    "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+VOCAB_TEXT = (
+    "USER : ASSISTANT Which of these choices is shown in the image ? Choices A . B C D Answer "
+    "with the letter from given directly Examples is Final yes no dog cat 1 2 3"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_llava(tmp_path_factory):
+    """A random-weight LLaVA (CLIP vision tower + Llama) with a WordLevel tokenizer, saved."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    specials = ["<unk>", "<s>", "</s>", "<pad>", "<image>"]
+    tokenizer.train_from_iterator([VOCAB_TEXT], trainers.WordLevelTrainer(special_tokens=specials))
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        extra_special_tokens={"image_token": "<image>"},
+    )
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        image_size=32, patch_size=8, projection_dim=32,
+    )  # fmt: skip
+    text = transformers.LlamaConfig(
+        vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, pad_token_id=3,
+    )  # fmt: skip
+    config = transformers.LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=fast.convert_tokens_to_ids("<image>"),
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    # Sharper logits, so that greedy decoding picks varied tokens, not one token repeated.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)
+    processor = transformers.LlavaProcessor(
+        image_processor=transformers.CLIPImageProcessor(
+            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+        ),
+        tokenizer=fast,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,  # the CLS token that "default" then drops
+        chat_template=CHAT_TEMPLATE,
+    )
+    path = tmp_path_factory.mktemp("tiny_llava")
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
+def _greedy_reference(client: clients.TransformersClient, request: Request, steps: int):
+    """Greedy decoding written out: a full forward pass per token, argmax of the last logits."""
+    import torch
+
+    inputs = client.inputs(request)
+    ids = inputs["input_ids"]
+    eos = client.model.generation_config.eos_token_id
+    new = []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = client.model(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                pixel_values=inputs["pixel_values"],
+            ).logits
+            token = int(logits[0, -1].argmax())
+            new.append(token)
+            if token == eos:
+                break
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return new
+
+
+def test_local_client_matches_greedy_reference_with_interleaved_images(tiny_llava):
+    import torch
+
+    client = clients.TransformersClient(str(tiny_llava), max_new_tokens=6)
+    assert client.identity()["max_new_tokens"] == 6
+    images = tuple(ImageInput.from_bytes(_png(k, size=(40 + k, 30))) for k in range(2))
+    requests = [
+        Request("<image>Which of these choices is shown in the image ?", images[:1]),
+        Request("Examples : <image> is A . Final : <image> Answer ?", images),
+    ]
+    image_token = client.processor.image_token_id
+    for request in requests:
+        inputs = client.inputs(request)
+        # Each placeholder became the image's 16 patch tokens, in prompt order.
+        assert int((inputs["input_ids"] == image_token).sum()) == 16 * len(request.images)
+        assert inputs["pixel_values"].shape[0] == len(request.images)
+        expected = _greedy_reference(client, request, 6)
+        decoded = client.processor.decode(expected, skip_special_tokens=True).strip()
+        reply = client.generate(request)
+        assert reply == decoded
+    # The images go in placeholder order: swapping them changes what the model sees.
+    swapped = Request(requests[1].prompt, images[::-1])
+    first, second = client.inputs(requests[1]), client.inputs(swapped)
+    assert torch.equal(first["pixel_values"][0], second["pixel_values"][1])
+    with torch.no_grad():
+        logits = [client.model(**inputs).logits[0, -1] for inputs in (first, second)]
+    assert not torch.allclose(logits[0], logits[1])
+
+
+def test_local_client_needs_a_model_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such model directory"):
+        clients.TransformersClient(str(tmp_path / "missing"))
