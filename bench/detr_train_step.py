@@ -215,8 +215,9 @@ def _our_runner(module, variables, inputs, args: argparse.Namespace) -> dict[str
     """As `_torch_runner`, plus the compile times of both jitted functions."""
     import jax
     import jax.numpy as jnp
+    import ml_collections
 
-    from ood_jax.train import detr_loss, optim, train
+    from ood_jax.train import objectives, optim, train
 
     images, boxes, labels, mask = inputs
     batch = {
@@ -248,9 +249,8 @@ def _our_runner(module, variables, inputs, args: argparse.Namespace) -> dict[str
         jax.jit(
             functools.partial(
                 train.train_step,
-                model=module,
+                loss_fn=objectives.make_loss(ml_collections.ConfigDict(), module),
                 optimizer=optimizer,
-                loss_config=detr_loss.DetrLossConfig(),
             ),
             donate_argnums=(0,),
         )

@@ -9,6 +9,9 @@ import sys
 import time
 from typing import Any, Sequence
 
+from ood_jax.eval import cli as eval_cli
+from ood_jax.mining import cli as mining_cli
+
 
 def _read_json(path: str, what: str) -> Any:
     try:
@@ -185,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--categories", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=_coco_demo)
+
+    mining_cli.add_parsers(sub)
+    eval_cli.add_parsers(sub)
     return parser
 
 

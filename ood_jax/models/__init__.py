@@ -23,7 +23,7 @@ import numpy as np
 from flax import serialization
 
 from ood_jax import boxes as box_lib
-from ood_jax.models import detr, registry
+from ood_jax.models import registry
 
 EXPORT_FORMAT_VERSION = 1
 
@@ -33,8 +33,8 @@ Detections = dict[str, np.ndarray]
 def _forward(
     module: nn.Module, variables: Mapping[str, Any], images: jax.Array, mask: jax.Array
 ) -> dict[str, jax.Array]:
-    """Model, then DETR's post-processing."""
-    return detr.postprocess(module.apply(variables, images, mask, train=False))
+    """Model, then the model's own post-processing."""
+    return registry.postprocess_for(module)(module.apply(variables, images, mask, train=False))
 
 
 @dataclasses.dataclass

@@ -29,7 +29,7 @@ from flax import serialization
 
 from ood_jax.data import building, counts, pipeline
 from ood_jax.models import convert, convert_vit, detr, registry, vit
-from ood_jax.train import checkpoint, detection_eval, detr_loss, optim, pretrain, sharding
+from ood_jax.train import checkpoint, detection_eval, objectives, optim, pretrain, sharding
 
 
 @flax.struct.dataclass
@@ -87,27 +87,15 @@ def create_train_state(model, optimizer, rng, image_shape):
     )
 
 
-def train_step(state: TrainState, batch, rng, *, model, optimizer, loss_config):
+def train_step(state: TrainState, batch, rng, *, loss_fn: objectives.LossFn, optimizer):
     """Forward, matching, loss, backward, update: one pure function."""
     rng = jax.random.fold_in(rng, state.step)
 
-    def loss_fn(params):
-        # Trainable BatchNorm updates its statistics; frozen BatchNorm never writes them.
-        outputs, model_state = model.apply(
-            {"params": params, **state.model_state},
-            batch["image"],
-            batch["image_mask"],
-            train=True,
-            rngs={"dropout": rng},
-            mutable=list(state.model_state),
-        )
-        targets = {"boxes": batch["boxes"], "labels": batch["labels"], "mask": batch["box_mask"]}
-        loss, metrics = detr_loss.detr_loss(
-            outputs, targets, loss_config, num_query_groups=model.num_query_groups
-        )
-        return loss, (metrics, model_state)
+    def loss_of(params):
+        variables = {"params": params, **state.model_state}
+        return loss_fn(variables, batch, rng, mutable=list(state.model_state))
 
-    (loss, (metrics, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    (loss, (metrics, model_state)), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
@@ -122,9 +110,8 @@ def jit_train_step(config: ml_collections.ConfigDict, env: dict[str, Any]):
     return jax.jit(
         functools.partial(
             train_step,
-            model=env["model"],
+            loss_fn=objectives.make_loss(config, env["model"]),
             optimizer=env["optimizer"],
-            loss_config=detr_loss.DetrLossConfig(**config.loss),
         ),
         in_shardings=(env["state_sharding"], env["data_sharding"], None),
         out_shardings=(env["state_sharding"], None),
@@ -139,7 +126,7 @@ def predict_step(state: TrainState, batch, *, model):
         batch["image_mask"],
         train=False,
     )
-    return detr.postprocess(outputs)
+    return registry.postprocess_for(model)(outputs)
 
 
 def load_pretrained_backbone(
