@@ -420,3 +420,38 @@ def test_local_client_matches_greedy_reference_with_interleaved_images(tiny_llav
 def test_local_client_needs_a_model_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such model directory"):
         clients.TransformersClient(str(tmp_path / "missing"))
+
+
+def test_local_client_through_eval_mllm(tiny_llava, tmp_path, capsys):
+    import argparse
+
+    from ood_jax.eval import cli as eval_cli
+    from ood_jax.eval import prompts, runner
+
+    options = ["dog", "cat", "yes", "no"]
+    lines = []
+    for k in range(3):
+        (tmp_path / f"{k}.png").write_bytes(_png(10 + k, size=(36, 44)))
+        item = {
+            "id": f"g{k}", "task": "grounding", "setting": "zero_shot", "domain": "dim",
+            "size": "SML"[k], "prompt": prompts.counts_grounding(options), "images": [f"{k}.png"],
+            "options": options, "answer": k, "category": None, "image_size": [36, 44],
+        }  # fmt: skip
+        lines.append(json.dumps(item))
+    (tmp_path / "items.jsonl").write_text("\n".join(lines) + "\n")
+    parser = argparse.ArgumentParser()
+    eval_cli.add_parsers(parser.add_subparsers(dest="command", required=True))
+    argv = ["eval-mllm", "counts-oodg", "--items", str(tmp_path / "items.jsonl"), "--local"]
+    argv += [str(tiny_llava), "--output", str(tmp_path / "run"), "--max-tokens", "4"]
+    args = parser.parse_args([*argv, "--no-progress"])
+    results = args.run(args)
+    assert results["client"] == "transformers" and results["max_new_tokens"] == 4
+    assert results["grounding"][0]["num_items"] == 3
+    client = clients.TransformersClient(str(tiny_llava), max_new_tokens=4)
+    records = [json.loads(x) for x in (tmp_path / "run" / runner.PREDICTIONS_FILE).open()]
+    for k, record in enumerate(records):
+        image = ImageInput.from_bytes((tmp_path / f"{k}.png").read_bytes())
+        assert record["reply"] == client.generate(
+            Request(prompts.counts_grounding(options), (image,))
+        )
+    assert "## Visual Grounding" in capsys.readouterr().out

@@ -370,6 +370,21 @@ def test_clip_baseline_with_a_fake_scorer(foci_data, tmp_path):
     assert split["lvlm_accuracy"] == pytest.approx(lvlm["accuracy"])
 
 
+def test_clip_baseline_refuses_items_it_cannot_answer(tmp_path):
+    path, _ = write_oodg_items(tmp_path / "mined")
+    for task, ice, message in (("grounding", 1, "has 2 images"), ("localization", 0, "multiple")):
+        benchmark = benchmarks.make_benchmark("counts-oodg", items=str(path), task=task, ice=ice)
+        with pytest.raises(benchmarks.ItemsError, match=message):
+            clip_baseline.run_clip_baseline(
+                benchmark, FakeScorer(), tmp_path / task, "fake", progress=False
+            )
+    zero_shot = benchmarks.make_benchmark("counts-oodg", items=str(path), task="grounding", ice=0)
+    results = clip_baseline.run_clip_baseline(
+        zero_shot, FakeScorer(), tmp_path / "zs", "fake", progress=False
+    )
+    assert results["grounding"][0]["num_items"] == zero_shot.count()
+
+
 # ---------------------------------------------------------------------------------------------
 # OODBench
 # ---------------------------------------------------------------------------------------------

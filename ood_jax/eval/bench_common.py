@@ -67,6 +67,10 @@ class Benchmark(abc.ABC):
     def score(self, meta: dict, reply: str) -> tuple[Any, bool | None]:
         """(parsed answer, JSON-serializable; correct, or None where an item has no verdict)."""
 
+    def unanswered(self, meta: dict) -> tuple[Any, bool | None]:
+        """(parsed, correct) recorded for an item whose request failed: no answer, wrong."""
+        return None, False
+
     @abc.abstractmethod
     def results(self, records: Sequence[dict]) -> dict:
         """Metrics from prediction records (each with meta, parsed, correct and error)."""
@@ -141,10 +145,11 @@ def text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def image_request(text: str, encoded: bytes, where: str) -> Request:
-    # The image leads the turn, as FOCI's and OODBench's single-image prompts are given.
+def image_request(question: str, encoded: bytes, where: str) -> Request:
+    """One image, then the question: the usual single-image turn (FOCI and OODBench print only
+    the text of their prompts)."""
     image = ImageInput.from_bytes(bytes(encoded), where)
-    return Request(prompts.IMAGE_PLACEHOLDER + text, (image,))
+    return Request(prompts.IMAGE_PLACEHOLDER + question, (image,))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,8 +167,8 @@ def answer_summary(records: Sequence[dict]) -> dict:
         "accuracy": correct / n if n else float("nan"),
         "num_items": n,
         "num_correct": correct,
-        # FOCI counts a reply without a valid answer letter as a generation failure; a request
-        # that never got a reply is one too, and is also counted on its own.
+        # A reply without a readable answer and a request that never got a reply are both
+        # generation failures; the second kind is also counted on its own.
         "generation_failures": failed + unread,
         "request_failures": failed,
     }

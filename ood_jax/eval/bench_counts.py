@@ -2,6 +2,21 @@
 S/M/L object size (Visual Grounding, Table 4), COCO mAP (Recognition and Localization, Table 5)
 and mapping accuracy (Visual and Semantic Mapping, Table 14), one row per (setting, number of
 in-context examples) as the paper's tables.
+
+items.jsonl holds one JSON object per line:
+
+    {"id": str, "task": "grounding" | "localization" | "mapping",
+     "setting": "zero_shot" | "iid" | "covariate_shift" | "label_shift" | "spurious_correlation",
+     "domain": str, "size": "S" | "M" | "L" | null,
+     "prompt": str, with one "<image>" per image, in order,
+     "images": [paths relative to the items file's directory; in-context images first],
+     "options": [str] | null,
+     "answer": int (grounding: option index) | [int, int, int, int] (mapping: option index of
+               the blue, red, yellow and green box) | [[x, y, w, h], ...] (localization: pixel
+               boxes in the image as sent),
+     "category": str | null (localization: the category asked for), "image_size": [w, h]}
+
+The number of in-context examples of an item is len(images) - 1.
 """
 
 from __future__ import annotations
@@ -127,7 +142,7 @@ def _check_oodg_record(record: Any, where: str) -> None:
 
 
 def read_oodg_items(path: str | pathlib.Path) -> list[dict]:
-    """The validated records of an items.jsonl (schema: the module docstring of mining/oodg)."""
+    """The validated records of an items.jsonl (schema in the module docstring)."""
     path = pathlib.Path(path)
     try:
         lines = path.read_text().splitlines()
@@ -223,6 +238,9 @@ class CountsOodg(Benchmark):
             return parsed, parsed == meta["answer"]
         # Localization has no per-item verdict: its boxes are scored together by COCO mAP.
         return parsing.parse_boxes(reply), None
+
+    def unanswered(self, meta: dict) -> tuple[Any, bool | None]:
+        return None, (None if meta["task"] == "localization" else False)
 
     def results(self, records: Sequence[dict]) -> dict:
         out: dict[str, list] = {}

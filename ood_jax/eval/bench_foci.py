@@ -75,6 +75,7 @@ class Foci(Benchmark):
         per_dataset = {
             k: answer_summary(v) for k, v in sorted(group_by(records, "dataset").items())
         }
+        out["datasets"] = list(per_dataset)
         if len(per_dataset) > 1:
             out["per_dataset"] = per_dataset
             # Table 2's average column: the mean of the per-dataset accuracies.
@@ -91,7 +92,7 @@ class Foci(Benchmark):
             rows.append(["average (per-dataset mean)", pct(results["average_accuracy"]), "", ""])
         rows.append(
             [
-                "all items",
+                "all items" if per_dataset else ", ".join(results["datasets"]),
                 pct(results["accuracy"]),
                 str(results["num_items"]),
                 str(results["generation_failures"]),

@@ -107,7 +107,44 @@ def _fail(message: str) -> SystemExit:
     return SystemExit(f"error: {message}")
 
 
+def _check_eval_arguments(args: argparse.Namespace) -> None:
+    if args.endpoint and not args.model:
+        raise _fail("--endpoint needs --model (the name the server knows the model by)")
+    if args.templates and not args.clip:
+        raise _fail("--templates applies to --clip only")
+    for flag, value, least in (
+        ("--concurrency", args.concurrency, 1),
+        ("--limit", args.limit, 0),
+        ("--max-tokens", args.max_tokens, 1),
+        ("--max-attempts", args.max_attempts, 1),
+        ("--batch-size", args.batch_size, 1),
+    ):
+        if value is not None and value < least:
+            raise _fail(f"{flag} must be at least {least}, got {value}")
+
+
+def _make_client(args: argparse.Namespace, max_tokens: int):
+    if args.local:
+        return clients.TransformersClient(args.local, max_new_tokens=max_tokens)
+    try:
+        client = clients.OpenAIChatClient(
+            args.endpoint,
+            args.model,
+            max_tokens=max_tokens,
+            api_key_env=args.api_key_env,
+            timeout_s=args.timeout,
+            max_attempts=args.max_attempts,
+            backoff_base_s=args.backoff,
+        )
+    except ValueError as e:
+        raise _fail(str(e)) from None
+    if not client.has_api_key:
+        print(f"note: ${args.api_key_env} is not set; sending no API key", file=sys.stderr)
+    return client
+
+
 def run_eval_mllm(args: argparse.Namespace) -> dict:
+    _check_eval_arguments(args)
     try:
         benchmark = benchmarks.make_benchmark(
             args.benchmark,
@@ -121,30 +158,12 @@ def run_eval_mllm(args: argparse.Namespace) -> dict:
         )
     except ValueError as e:
         raise _fail(str(e)) from None
-    max_tokens = args.max_tokens or benchmark.default_max_tokens
     progress = not args.no_progress
     try:
         if args.clip:
             results = _run_clip(args, benchmark, progress)
         else:
-            if args.endpoint:
-                if not args.model:
-                    raise _fail("--endpoint needs --model (the name the server knows the model by)")
-                client = clients.OpenAIChatClient(
-                    args.endpoint,
-                    args.model,
-                    max_tokens=max_tokens,
-                    api_key_env=args.api_key_env,
-                    timeout_s=args.timeout,
-                    max_attempts=args.max_attempts,
-                    backoff_base_s=args.backoff,
-                )
-                if not client.has_api_key:
-                    print(
-                        f"note: ${args.api_key_env} is not set; sending no API key", file=sys.stderr
-                    )
-            else:
-                client = clients.TransformersClient(args.local, max_new_tokens=max_tokens)
+            client = _make_client(args, args.max_tokens or benchmark.default_max_tokens)
             results = runner.run(
                 benchmark,
                 client,
@@ -158,7 +177,7 @@ def run_eval_mllm(args: argparse.Namespace) -> dict:
     print((pathlib.Path(args.output) / runner.RESULTS_MD).read_text())
     if not results["complete"]:
         print(
-            f"some requests failed; rerun the same command to retry them "
+            "some requests failed; rerun the same command to retry them "
             f"(details in {pathlib.Path(args.output) / runner.PREDICTIONS_FILE})",
             file=sys.stderr,
         )

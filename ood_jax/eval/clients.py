@@ -24,12 +24,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from ood_jax.eval.prompts import IMAGE_PLACEHOLDER
 
-# HTTP statuses worth another attempt: rate limiting and server-side failures.
+# HTTP statuses worth another attempt besides 5xx (the ones OpenAI's own client retries):
+# request timeout, conflict, rate limiting.
 RETRYABLE_STATUSES = frozenset({408, 409, 429})
 DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
 
@@ -313,7 +314,8 @@ class TransformersClient:
             messages, add_generation_prompt=True, tokenize=False
         )
         inputs = self.processor(text=text, images=images or None, return_tensors="pt")
-        return inputs.to(self.device)
+        # Only floating tensors (pixel values) take the model's dtype; token ids stay integers.
+        return inputs.to(self.device).to(self.model.dtype)
 
     def generate(self, request: Request) -> str:
         inputs = self.inputs(request)
@@ -323,9 +325,3 @@ class TransformersClient:
             )
         new_tokens = output[:, inputs["input_ids"].shape[1] :]
         return self.processor.batch_decode(new_tokens, skip_special_tokens=True)[0].strip()
-
-
-def image_inputs(encoded: Sequence[bytes], where: str) -> tuple[ImageInput, ...]:
-    return tuple(
-        ImageInput.from_bytes(data, f"{where} image {k}") for k, data in enumerate(encoded)
-    )

@@ -15,8 +15,6 @@ Any scorer works that has
 
 from __future__ import annotations
 
-import hashlib
-import json
 import pathlib
 import string
 from collections.abc import Sequence
@@ -25,7 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ood_jax.eval import runner
-from ood_jax.eval.bench_common import Benchmark, Item
+from ood_jax.eval.bench_common import Benchmark, Item, ItemsError
 
 # CLIP's standard single zero-shot prompt; FOCI's exact template is not printed in the paper.
 DEFAULT_TEMPLATES = ("a photo of a {}.",)
@@ -40,12 +38,12 @@ class Scorer(Protocol):
 def _check_item(item: Item) -> None:
     options, answer = item.meta.get("options"), item.meta.get("answer")
     if not isinstance(options, list) or not isinstance(answer, int) or isinstance(answer, bool):
-        raise ValueError(
+        raise ItemsError(
             f"item {item.id!r}: the CLIP baseline answers multiple-choice items (options and an "
             "option index as answer)"
         )
     if len(item.request.images) != 1:
-        raise ValueError(
+        raise ItemsError(
             f"item {item.id!r} has {len(item.request.images)} images; the CLIP baseline scores "
             "one image against the options (use zero-shot items)"
         )
@@ -59,7 +57,6 @@ class ClipAnswerer:
             raise ValueError("need at least one text template")
         self.scorer, self.templates = scorer, tuple(templates)
         self._text_cache: dict[str, np.ndarray] = {}
-        self.last_similarities: list[np.ndarray] = []
 
     def _text_embeddings(self, texts: Sequence[str]) -> np.ndarray:
         missing = sorted({t for t in texts if t not in self._text_cache})
@@ -81,18 +78,16 @@ class ClipAnswerer:
             raise ValueError(
                 f"encode_images returned {image_embeddings.shape[0]} rows for {len(items)} images"
             )
-        replies, self.last_similarities = [], []
+        replies = []
         for item, image in zip(items, image_embeddings):
             similarities = self._text_embeddings(item.meta["options"]) @ image
-            self.last_similarities.append(similarities)
             # argmax takes the first of equal similarities: the lower option letter.
             replies.append(string.ascii_uppercase[int(np.argmax(similarities))])
         return replies
 
 
 def scorer_identity(name: str, templates: Sequence[str]) -> dict:
-    digest = hashlib.sha256(json.dumps(list(templates)).encode()).hexdigest()[:16]
-    return {"client": "clip", "model": name, "templates": list(templates), "templates_sha": digest}
+    return {"client": "clip", "model": name, "templates": list(templates)}
 
 
 def run_clip_baseline(

@@ -81,7 +81,11 @@ class PredictionStore:
                 with open(self.path, "r+b") as f:
                     f.truncate(end)
             self.torn_line_dropped = True
-        for number, line in enumerate(data[:end].decode().splitlines(), start=1):
+        try:
+            text = data[:end].decode()
+        except UnicodeDecodeError as e:
+            raise RunError(f"{self.path}: not UTF-8 text ({e})") from None
+        for number, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
             try:
@@ -201,9 +205,10 @@ def _check_digests(benchmark: Benchmark, store: PredictionStore, limit: int | No
 
 
 def _record(benchmark: Benchmark, item: Item, reply: str | None, error: str | None) -> dict:
-    parsed, correct = (None, False) if reply is None else benchmark.score(item.meta, reply)
-    if reply is None and item.meta.get("task") == "localization":
-        correct = None
+    if reply is None:
+        parsed, correct = benchmark.unanswered(item.meta)
+    else:
+        parsed, correct = benchmark.score(item.meta, reply)
     return {
         "id": item.id,
         "digest": item.digest,
@@ -234,7 +239,7 @@ class _Session:
         if self.store.records:
             _check_digests(benchmark, self.store, limit)
         self.order: list[str] = []
-        self.sent = self.failed = 0
+        self.failed = 0
         total = benchmark.count()
         if total is not None and limit is not None:
             total = min(total, limit)
@@ -259,7 +264,6 @@ class _Session:
 
     def record(self, item: Item, reply: str | None, error: str | None) -> None:
         self.store.append(_record(self.benchmark, item, reply, error))
-        self.sent += 1
         self.failed += error is not None
         self.progress.update(failed=self.failed)
 
