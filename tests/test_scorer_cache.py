@@ -95,8 +95,9 @@ def test_partial_shard_files_are_ignored(tmp_path) -> None:
 
 def test_ids_are_strings_and_repeats_are_encoded_once(tmp_path) -> None:
     cache = EmbeddingCache(tmp_path, shard_size=10, identity=IDENTITY)
-    recorder = Recorder()
-    out = cache.compute([3, 1, 3, "1"], fetch, recorder)
+    recorder, fetched = Recorder(), []
+    out = cache.compute([3, 1, 3, "1"], lambda ids: fetched.append(ids) or fetch(ids), recorder)
+    assert fetched == [[3, 1]]  # as given (ints), the first occurrence of each
     assert recorder.calls == [["image:3", "image:1"]]
     np.testing.assert_array_equal(out, encode(["image:3", "image:1", "image:3", "image:1"]))
 
@@ -159,7 +160,7 @@ def test_with_a_scorer_identity(tmp_path) -> None:
 
     cache = EmbeddingCache(tmp_path / "cache", shard_size=4, identity=scorer.identity)
     out = cache.compute(images, lambda ids: [images[i] for i in ids], scorer.encode_images)
-    np.testing.assert_allclose(out, scorer.encode_images(list(images.values())), atol=1e-6)
+    np.testing.assert_allclose(out, scorer.encode_images(list(images.values())), atol=1e-5)
     assert json.loads((tmp_path / "cache" / "manifest.json").read_text())["dim"] == 16
 
     other = scorers.from_hf(tmp_path / "model_b")

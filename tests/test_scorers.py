@@ -260,7 +260,7 @@ def test_encode_texts_with_the_saved_tokenizer(kind, checkpoints, loaded) -> Non
     np.testing.assert_allclose(
         scorer.encode_texts(texts),
         normalized(scorer.text_features(**tokens)),
-        atol=1e-6,
+        atol=1e-5,
     )
 
 
@@ -309,25 +309,36 @@ def test_encode_images_matches_processor_and_model(kind, checkpoints, loaded) ->
     # On our own pixels the model is transformers' to float32 rounding.
     np.testing.assert_allclose(embeds, normalized(torch_features(model, ours)), atol=1e-5)
     # Through transformers' processor the inputs differ by <= 2 uint8 levels on < 2% of the
-    # pixels (test above); that perturbation (~0.03 in normalized units on a few pixels) moves
-    # these unit-norm embeddings by about 1e-3 with this model, so 1e-2 bounds it with margin
-    # while a wrong resize, crop, or normalization moves them by ~1e-1.
-    np.testing.assert_allclose(embeds, normalized(torch_features(model, theirs)), atol=1e-2)
+    # pixels (the preprocessing test above is the strict check of resize, crop and
+    # normalization); with these models that moves the unit-norm embeddings by 1e-4 to 1.3e-3
+    # (measured over seeds), so 5e-3 leaves a margin of about 4.
+    np.testing.assert_allclose(embeds, normalized(torch_features(model, theirs)), atol=5e-3)
     # An array of equal-size images is a batch like a list.
     np.testing.assert_allclose(
-        scorer.encode_images(np.stack([images[2]] * 5)), np.stack([embeds[2]] * 5), atol=1e-6
+        scorer.encode_images(np.stack([images[2]] * 5)), np.stack([embeds[2]] * 5), atol=1e-5
     )
 
 
-def test_batches_compile_once(checkpoints) -> None:
-    scorer = scorers.from_hf(checkpoints["clip"][0], batch_size=4)
+def test_batches_compile_once(loaded) -> None:
+    scorer = loaded["clip"]
     rng = np.random.default_rng(6)
     pixels = rng.normal(size=(9, IMAGE_SIZE, IMAGE_SIZE, 3)).astype(np.float32)
     full = scorer.image_features(pixels)
+    compiled = scorer._image_fn._cache_size()
     for n in (1, 4, 5, 9):
-        np.testing.assert_allclose(scorer.image_features(pixels[:n]), full[:n], atol=1e-6)
-    # Three batches of 4 for 9 rows (the last padded), every call on the one compiled shape.
-    assert scorer._image_fn._cache_size() == 1
+        np.testing.assert_allclose(scorer.image_features(pixels[:n]), full[:n], atol=1e-5)
+    images = random_images(6)
+    np.testing.assert_allclose(
+        scorer.encode_images(images),
+        normalized(scorer.image_features(np.stack([scorer.preprocess(image) for image in images]))),
+        atol=1e-6,
+    )
+    # Batches of 4 (the last padded) for every count, features and embeddings alike: all on the
+    # one compiled shape.
+    assert scorer._image_fn._cache_size() == compiled
+    # A per-call batch size is one more shape (other GEMM blocking: float32 rounding differs).
+    np.testing.assert_allclose(scorer.image_features(pixels, batch_size=2), full, atol=1e-5)
+    assert scorer._image_fn._cache_size() == compiled + 1
     assert scorer.encode_images([]).shape == (0, scorer.dim)
 
 
@@ -357,7 +368,8 @@ _MESH_SCRIPT = textwrap.dedent(
     plain = scorers.from_hf(sys.argv[1], batch_size=8)
     rng = np.random.default_rng(0)
     images = [rng.integers(0, 256, size=(40 + i, 36, 3), dtype=np.uint8) for i in range(11)]
-    np.testing.assert_allclose(sharded.encode_images(images), plain.encode_images(images), atol=1e-5)
+    got, expected = sharded.encode_images(images), plain.encode_images(images)
+    np.testing.assert_allclose(got, expected, atol=1e-5)
     ids = rng.integers(3, 100, size=(5, 16))
     np.testing.assert_allclose(sharded.text_features(ids), plain.text_features(ids), atol=1e-5)
     print("ok")
@@ -507,8 +519,10 @@ def test_bad_checkpoints_raise_naming_the_file_or_field(tmp_path, checkpoints) -
 
     with pytest.raises(ValueError, match="preprocessor_config.json: size="):
         preprocess.preprocessing_from_config({"size": {"longest_edge": 3}}, "clip", 32)
-    with pytest.raises(ValueError, match="uint8"):
-        scorer.encode_images([np.zeros((8, 8, 3), np.float32)])
+    with pytest.raises(ValueError, match="image 1: expected a uint8 image"):
+        scorer.encode_images([np.zeros((8, 8, 3), np.uint8), np.zeros((8, 8, 3), np.float32)])
+    with pytest.raises(ValueError, match="pixels are 16x16; the model takes 32x32"):
+        scorer.image_features(np.zeros((1, 16, 16, 3), np.float32))
     with pytest.raises(TypeError, match="sequence of strings"):
         loaded_clip = scorers.from_hf(checkpoints["clip"][0])
         loaded_clip.encode_texts("a cat")

@@ -148,15 +148,21 @@ class EmbeddingCache:
 
         Args:
           ids: example ids (compared as strings; repeats are computed once).
-          fetch_fn: a list of missing ids -> what `encode_fn` takes (e.g. their images).
+          fetch_fn: a list of missing ids, as given -> what `encode_fn` takes (e.g. images).
           encode_fn: fetched examples -> [n, D] embeddings, one row per id.
         """
+        ids = list(ids)
         keys = [str(i) for i in ids]
         index = self.index()
-        missing = list(dict.fromkeys(k for k in keys if k not in index))
-        for start in range(0, len(missing), self.shard_size):
-            chunk = missing[start : start + self.shard_size]
-            embeddings = self._checked(np.asarray(encode_fn(fetch_fn(chunk))), len(chunk))
+        missing = {}  # key -> the id as given, first occurrence, in order
+        for key, id_ in zip(keys, ids):
+            if key not in index:
+                missing.setdefault(key, id_)
+        missing_keys = list(missing)
+        for start in range(0, len(missing_keys), self.shard_size):
+            chunk = missing_keys[start : start + self.shard_size]
+            fetched = fetch_fn([missing[key] for key in chunk])
+            embeddings = self._checked(np.asarray(encode_fn(fetched)), len(chunk))
             path = self._write_shard(chunk, embeddings)
             index.update({key: (path, row) for row, key in enumerate(chunk)})
         return self._gather(keys, index)

@@ -126,7 +126,8 @@ def _activation(section: Mapping[str, Any], name: str) -> str:
     act = section["hidden_act"]
     if act not in HIDDEN_ACTS:
         raise ValueError(
-            f"{CONFIG_FILE}: {name}.hidden_act={act!r} is not supported; known: {sorted(HIDDEN_ACTS)}"
+            f"{CONFIG_FILE}: {name}.hidden_act={act!r} is not supported; "
+            f"known: {sorted(HIDDEN_ACTS)}"
         )
     return HIDDEN_ACTS[act]
 

@@ -1,4 +1,4 @@
-"""`Scorer`: a converted CLIP / SigLIP model with its preprocessing and tokenizer, batched and jitted.
+"""`Scorer`: a converted CLIP / SigLIP model with its preprocessing and tokenizer, jitted.
 
     scorer = from_hf("checkpoints/clip-vit-large-patch14")   # config.json + model.safetensors
     image_embeds = scorer.encode_images(images)             # uint8 [H, W, 3] each -> [N, D]
@@ -14,10 +14,11 @@ computation dtype (bfloat16 on accelerators); parameters stay float32 and output
 next batch is resized in a thread pool (Pillow releases the GIL) while the device computes.
 
 Text: the tokenizer (transformers' `AutoTokenizer`, from the checkpoint directory, never a hub)
-pads to the text tower's length, as each model was trained: 77 for CLIP, with the padding mask
-passed as transformers does (the causal mask already hides padding from the end token); 64 for
-SigLIP, without a padding mask, as SigLIP was trained (big_vision and open_clip attend to the pad
-tokens, and the pooled last position is a pad token for short texts).
+pads and truncates to the text tower's length (the config's max_position_embeddings), as each
+model was trained: 77 for CLIP, with the padding mask passed as transformers does (the causal
+mask already hides padding from the end token); 64 for SigLIP, without a padding mask, as SigLIP
+was trained (big_vision and open_clip attend to the pad tokens, and the pooled last position is a
+pad token for short texts).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import collections
 import concurrent.futures
 import functools
 import hashlib
+import itertools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -58,7 +60,8 @@ class Scorer:
       logit_bias: SigLIP's logit bias, None for CLIP.
       identity: what makes embeddings reproducible (checkpoint path, hashes of its config and
         preprocessor files, dtype); `EmbeddingCache` refuses a cache written under another.
-      batch_size: rows per device call (a multiple of the mesh's device count).
+      batch_size: rows per device call (a multiple of the mesh's device count); each method
+        also takes its own `batch_size`.
     """
 
     def __init__(
@@ -82,8 +85,7 @@ class Scorer:
         self.identity = dict(identity)
         self.tokenizer_dir = None if tokenizer_dir is None else Path(tokenizer_dir)
         self.mesh = mesh
-        devices = 1 if mesh is None else mesh.size
-        self.batch_size = -(-int(batch_size) // devices) * devices
+        self.batch_size = self._rows(batch_size)
         self.num_workers = num_workers or min(8, os.cpu_count() or 1)
 
         params = variables["params"]
@@ -96,12 +98,10 @@ class Scorer:
         self._tokenizer = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
-        self._image_fn = jax.jit(
-            functools.partial(_image_features, module), static_argnames="normalize"
-        )
-        self._text_fn = jax.jit(
-            functools.partial(_text_features, module), static_argnames="normalize"
-        )
+        # Embeddings are normalized on the host, so that features and embeddings share one
+        # compiled function per input shape.
+        self._image_fn = jax.jit(functools.partial(_image_features, module))
+        self._text_fn = jax.jit(functools.partial(_text_features, module))
 
     # ------------------------------------------------------------------ shapes
 
@@ -119,22 +119,38 @@ class Scorer:
     def dim(self) -> int:
         """Embedding width."""
         pixels = jax.ShapeDtypeStruct((1, *self.image_size, 3), jnp.float32)
-        fn = functools.partial(self._image_fn, normalize=False)
-        return int(jax.eval_shape(fn, self.variables, pixels).shape[-1])
+        return int(jax.eval_shape(self._image_fn, self.variables, pixels).shape[-1])
 
     # ------------------------------------------------------------------ features
 
-    def image_features(self, pixels: Any) -> np.ndarray:
+    def _rows(self, batch_size: int | None) -> int:
+        """Rows per device call: `batch_size` (default the scorer's) rounded up to a multiple of
+        the mesh's devices. Each distinct value compiles once."""
+        if batch_size is None:
+            return self.batch_size
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        devices = 1 if self.mesh is None else self.mesh.size
+        return -(-int(batch_size) // devices) * devices
+
+    def image_features(self, pixels: Any, batch_size: int | None = None) -> np.ndarray:
         """Preprocessed float [N, H, W, 3] -> projected features [N, D], not normalized
-        (transformers' `get_image_features`)."""
+        (transformers' `get_image_features`). [H, W] must be the model's `image_size`."""
         pixels = np.asarray(pixels, np.float32)
         if pixels.ndim != 4 or pixels.shape[-1] != 3:
             raise ValueError(f"pixels must be [N, H, W, 3], got shape {pixels.shape}")
-        return self._run(
-            functools.partial(self._image_fn, normalize=False), _batches([pixels], self.batch_size)
-        )
+        if pixels.shape[1:3] != self.image_size:
+            # As transformers (without interpolate_pos_encoding): the position embeddings are
+            # learned for one grid.
+            raise ValueError(
+                f"pixels are {pixels.shape[1]}x{pixels.shape[2]}; the model takes "
+                f"{self.image_size[0]}x{self.image_size[1]}"
+            )
+        return self._run(self._image_fn, _batches([pixels], self._rows(batch_size)))
 
-    def text_features(self, input_ids: Any, attention_mask: Any | None = None) -> np.ndarray:
+    def text_features(
+        self, input_ids: Any, attention_mask: Any | None = None, batch_size: int | None = None
+    ) -> np.ndarray:
         """Token ids int [M, L] (and optionally the [M, L] attention mask) -> projected features
         [M, D], not normalized (transformers' `get_text_features`)."""
         ids = np.asarray(input_ids)
@@ -146,9 +162,7 @@ class Scorer:
             if mask.shape != ids.shape:
                 raise ValueError(f"attention_mask shape {mask.shape} != input_ids {ids.shape}")
             arrays.append(mask.astype(np.int32))
-        return self._run(
-            functools.partial(self._text_fn, normalize=False), _batches(arrays, self.batch_size)
-        )
+        return self._run(self._text_fn, _batches(arrays, self._rows(batch_size)))
 
     # ------------------------------------------------------------------ embeddings
 
@@ -156,23 +170,32 @@ class Scorer:
         """One uint8 [H, W, 3] image -> the model's input, float32 [h, w, 3]."""
         return self.preprocessing(image)
 
-    def encode_images(self, images: Sequence[Any] | np.ndarray) -> np.ndarray:
+    def encode_images(
+        self, images: Sequence[Any] | np.ndarray, batch_size: int | None = None
+    ) -> np.ndarray:
         """uint8 images of any sizes (a list, or one [N, H, W, 3] array) -> L2-normalized
         float32 [N, D], preprocessed as the checkpoint's image processor does."""
-        if self.preprocessing.output_size is None:
+        size = self.preprocessing.output_size
+        if size is None:
             raise ValueError(
                 f"{preprocess.PREPROCESSOR_FILE}: neither a center crop nor a fixed-size resize, "
                 "so preprocessed images keep different sizes and cannot be batched"
+            )
+        if size != self.image_size:
+            raise ValueError(
+                f"{preprocess.PREPROCESSOR_FILE}: images come out {size[0]}x{size[1]}, the model "
+                f"takes {self.image_size[0]}x{self.image_size[1]}"
             )
         if isinstance(images, np.ndarray) and images.ndim != 4:
             raise ValueError(f"an image array must be [N, H, W, 3], got shape {images.shape}")
         if len(images) == 0:
             return np.zeros((0, self.dim), np.float32)
-        batches = self._image_batches(images)
-        return self._run(functools.partial(self._image_fn, normalize=True), batches)
+        batches = self._image_batches(images, self._rows(batch_size))
+        return _l2_normalize(self._run(self._image_fn, batches))
 
     def tokenize(self, texts: Sequence[str]) -> dict[str, np.ndarray]:
-        """Texts -> {"input_ids"[, "attention_mask"]} int32 [M, text_length], as the model expects."""
+        """Texts -> {"input_ids"[, "attention_mask"]} int32 [M, text_length], as the model
+        expects them."""
         encoded = self.tokenizer(
             list(texts),
             padding="max_length",
@@ -185,7 +208,12 @@ class Scorer:
             out["attention_mask"] = np.asarray(encoded["attention_mask"], np.int32)
         return out
 
-    def encode_texts(self, texts: Sequence[str], templates: Sequence[str] = ("{}",)) -> np.ndarray:
+    def encode_texts(
+        self,
+        texts: Sequence[str],
+        templates: Sequence[str] = ("{}",),
+        batch_size: int | None = None,
+    ) -> np.ndarray:
         """Texts -> float32 [M, D]: each template formatted with the text, the embeddings
         L2-normalized, averaged over the templates and normalized again."""
         if isinstance(texts, str):
@@ -204,11 +232,8 @@ class Scorer:
         arrays = [tokens["input_ids"]]
         if "attention_mask" in tokens:
             arrays.append(tokens["attention_mask"])
-        embeds = self._run(
-            functools.partial(self._text_fn, normalize=True), _batches(arrays, self.batch_size)
-        )
-        mean = embeds.reshape(len(templates), len(texts), -1).mean(axis=0)
-        return mean / np.linalg.norm(mean, axis=-1, keepdims=True)
+        embeds = _l2_normalize(self._run(self._text_fn, _batches(arrays, self._rows(batch_size))))
+        return _l2_normalize(embeds.reshape(len(templates), len(texts), -1).mean(axis=0))
 
     # ------------------------------------------------------------------ plumbing
 
@@ -227,16 +252,26 @@ class Scorer:
             self._tokenizer = AutoTokenizer.from_pretrained(str(where), local_files_only=True)
         return self._tokenizer
 
-    def _image_batches(self, images: Sequence[Any]) -> Iterator[tuple[int, list[np.ndarray]]]:
+    def _image_batches(
+        self, images: Sequence[Any], rows: int
+    ) -> Iterator[tuple[int, list[np.ndarray]]]:
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(self.num_workers)
         h, w = self.preprocessing.output_size
-        for start in range(0, len(images), self.batch_size):
-            chunk = [images[i] for i in range(start, min(start + self.batch_size, len(images)))]
-            pixels = np.zeros((self.batch_size, h, w, 3), np.float32)
-            for i, image in enumerate(self._pool.map(self.preprocessing, chunk)):
+        for start in range(0, len(images), rows):
+            chunk = [images[i] for i in range(start, min(start + rows, len(images)))]
+            pixels = np.zeros((rows, h, w, 3), np.float32)
+            for i, image in enumerate(
+                self._pool.map(self._preprocess_nth, chunk, itertools.count(start))
+            ):
                 pixels[i] = image
             yield len(chunk), [pixels]
+
+    def _preprocess_nth(self, image: Any, index: int) -> np.ndarray:
+        try:
+            return self.preprocessing(image)
+        except ValueError as e:
+            raise ValueError(f"image {index}: {e}") from None
 
     def _put(self, x: np.ndarray) -> jax.Array:
         if self._batch_sharding is None:
@@ -260,11 +295,12 @@ class Scorer:
         return np.concatenate(done).astype(np.float32, copy=False)
 
 
-def _image_features(
-    module: clip.CLIP, variables: dict, pixels: jax.Array, *, normalize: bool
-) -> jax.Array:
-    x = module.apply(variables, pixels, method=module.image_features)
-    return clip.l2_normalize(x) if normalize else x
+def _l2_normalize(x: np.ndarray) -> np.ndarray:
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def _image_features(module: clip.CLIP, variables: dict, pixels: jax.Array) -> jax.Array:
+    return module.apply(variables, pixels, method=module.image_features)
 
 
 def _text_features(
@@ -272,11 +308,8 @@ def _text_features(
     variables: dict,
     input_ids: jax.Array,
     attention_mask: jax.Array | None = None,
-    *,
-    normalize: bool,
 ) -> jax.Array:
-    x = module.apply(variables, input_ids, attention_mask, method=module.text_features)
-    return clip.l2_normalize(x) if normalize else x
+    return module.apply(variables, input_ids, attention_mask, method=module.text_features)
 
 
 def _batches(arrays: list[np.ndarray], batch_size: int) -> Iterator[tuple[int, list[np.ndarray]]]:

@@ -8,7 +8,7 @@ Both end in one pooled vector per example, optionally projected into the shared 
     under a causal (CLIP) or bidirectional (SigLIP) mask intersected with the padding mask, a final
     LayerNorm, one token's state (`pool`), then an optional projection.
 
-Text pooling follows transformers' `CLIPTextTransformer` / `SiglipTextTransformer`:
+Text pooling follows transformers' `CLIPTextModel` / `SiglipTextModel` (5.x):
   "argmax": the first position of the largest token id (OpenAI CLIP, whose end-of-text token is
             the largest id; transformers uses it when the config's eos_token_id is the legacy 2);
   "eos":    the first position equal to `eos_token_id` (position 0 when there is none);
