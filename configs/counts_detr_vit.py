@@ -4,23 +4,13 @@
       --config.model.backbone_weights=/weights/vit_small_patch16_224.safetensors
 """
 
-import importlib.util
-import pathlib
-
 import ml_collections
 
-
-def _base_config(arg):
-    # Config files are loaded by path (not as a package), so the sibling is too.
-    path = pathlib.Path(__file__).with_name("counts_detr_r50.py")
-    spec = importlib.util.spec_from_file_location("counts_detr_r50", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
+from ood_jax import config_files
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    config = _base_config(arg)
+    config = config_files.load(config_files.sibling(__file__, "counts_detr_r50.py"), arg)
     config.model_name = "DETR-ViT-S/16"
     config.model.args.backbone = "S/16"
     # A plain ViT has no BatchNorm and no stem stages to freeze.

@@ -9,6 +9,7 @@ import sys
 import time
 from typing import Any, Sequence
 
+from ood_jax import config_files
 from ood_jax.eval import cli as eval_cli
 from ood_jax.mining import cli as mining_cli
 
@@ -69,15 +70,10 @@ def _coco_demo(args: argparse.Namespace) -> None:
 
 def _load_config(spec: str):
     """`path/to/config.py[:arg]` -> its get_config(arg), as `--config=` flags load it."""
-    import importlib.util
-
-    path, _, arg = spec.partition(":")
-    module_spec = importlib.util.spec_from_file_location("_ood_jax_config", path)
-    if module_spec is None or not pathlib.Path(path).exists():
-        raise SystemExit(f"error: config file {path} does not exist")
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module.get_config(arg or None)
+    try:
+        return config_files.load_spec(spec)
+    except FileNotFoundError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def _demo(args: argparse.Namespace) -> None:

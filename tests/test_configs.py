@@ -14,6 +14,8 @@ CONFIGS = {
     "configs/synthetic_detr.py": ("", "smoke"),
     "configs/counts_detr_r50.py": ("", "gpu8", "runlocal"),
     "configs/counts_detr_vit.py": ("", "gpu8", "runlocal"),
+    "configs/synthetic_dino.py": ("", "smoke"),
+    "configs/counts_dino_r50.py": ("", "gpu8", "runlocal"),
 }
 ROOT = pathlib.Path(__file__).parent.parent
 
@@ -27,8 +29,10 @@ def test_config_loads_and_builds(spec):
     # The pipeline validates its fields; an unknown or invalid one fails here, naming it.
     pipeline._checked(config.input)
     model = registry.build_model(config.model)
+    # At the training size: two-stage detectors need as many encoder positions as queries.
+    size = config.input.image_size
     shapes = jax.eval_shape(
-        lambda: model.init(jax.random.key(0), jnp.zeros((1, 64, 64, 3)), train=False)
+        lambda: model.init(jax.random.key(0), jnp.zeros((1, size, size, 3)), train=False)
     )
     assert "backbone" in shapes["params"]
 
