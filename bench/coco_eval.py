@@ -91,7 +91,9 @@ def _timed(fn, *args):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--images", type=int, default=5000, help="number of images (val2017: 5000)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-pycocotools", action="store_true")
@@ -148,8 +150,12 @@ def main(argv=None) -> int:
         ok &= good
         print(
             f"  {name:<18} {diff.max():.3e}  {'OK' if good else 'MISMATCH'}"
-            + ("" if good else f" (worst {coco.STAT_NAMES[worst]}: ours {results['ours'][worst]!r} "
-                               f"vs {results[name][worst]!r})")
+            + (
+                ""
+                if good
+                else f" (worst {coco.STAT_NAMES[worst]}: ours {results['ours'][worst]!r} "
+                f"vs {results[name][worst]!r})"
+            )
         )
     print()
 

@@ -40,9 +40,11 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import common  # noqa: E402  (bench/, the directory of this script)
 
 NUM_CLASSES = 91  # COCO's label space as DETR uses it; the model adds the "no object" logit
 NUM_QUERIES = 100
@@ -77,37 +79,6 @@ def _parse_args() -> argparse.Namespace:
     if args.torch_threads < 0:
         parser.error("--torch-threads must be >= 0 (0: os.cpu_count())")
     return args
-
-
-def _time(fns: dict[str, Callable[[], Any]], steps: int, warmup: int) -> dict[str, list[float]]:
-    """Seconds of each of `steps` calls of every fn (each must block until done), after `warmup`.
-
-    The calls alternate between the fns, so a change in the machine's load during the run
-    weighs on all of them alike.
-    """
-    times = {name: [] for name in fns}
-    for i in range(warmup + steps):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            if i >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return times
-
-
-def _random_input(args: argparse.Namespace):
-    """Images [B, H, W, 3] float32, boxes [B, M, 4] cxcywh, labels [B, M], mask [B, M]."""
-    import numpy as np
-
-    rng = np.random.default_rng(args.seed)
-    images = rng.standard_normal((args.batch, args.size, args.size, 3), np.float32)
-    size = rng.uniform(0.05, 0.5, (args.batch, MAX_BOXES, 2))
-    center = rng.uniform(size / 2, 1 - size / 2)
-    boxes = np.concatenate([center, size], -1).astype(np.float32)
-    labels = rng.integers(0, NUM_CLASSES, (args.batch, MAX_BOXES)).astype(np.int32)
-    counts = rng.integers(3, 7, args.batch)
-    mask = np.arange(MAX_BOXES)[None, :] < counts[:, None]
-    return images, boxes, labels, mask
 
 
 def _optim_config():
@@ -323,7 +294,7 @@ def main() -> None:
     import numpy as np
 
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
-    inputs = _random_input(args)
+    inputs = common.random_detection_input(args.seed, args.batch, args.size, MAX_BOXES, NUM_CLASSES)
     load = os.getloadavg()[0]
 
     runners = {}
@@ -341,7 +312,9 @@ def main() -> None:
         runners["torch"] = _torch_runner(model, inputs, args)
     # Inference first: the train steps change the weights.
     times = {
-        key: _time({name: r[key] for name, r in runners.items()}, args.steps, args.warmup)
+        key: common.time_alternating(
+            {name: r[key] for name, r in runners.items()}, args.steps, args.warmup
+        )
         for key in ("predict", "train")
     }
     ours, theirs = runners["ours"], runners.get("torch")

@@ -36,9 +36,10 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import common  # noqa: E402  (bench/, the directory of this script)
 
 # Sizes (h, w) of typical photos in ImageNet / COCO, the datasets the papers mine.
 PHOTO_SIZES = [(375, 500), (480, 640), (333, 500), (500, 375), (427, 640), (480, 480)]
@@ -66,19 +67,6 @@ def _parse_args() -> argparse.Namespace:
     if args.classes < 4:
         parser.error("--classes must be >= 4 (FOCI's four options)")
     return args
-
-
-def _time(fns: dict[str, Callable[[], Any]], steps: int, warmup: int) -> dict[str, list[float]]:
-    """Seconds of each of `steps` calls of every fn (each blocks until done), after `warmup`;
-    the fns alternate, so a change in the machine's load weighs on all alike."""
-    times = {name: [] for name in fns}
-    for i in range(warmup + steps):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            if i >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return times
 
 
 def _clip_config():
@@ -164,7 +152,7 @@ def main() -> None:
 
         diff = float(np.abs(ours_features - torch_features().numpy()).max())
         fns["torch"] = torch_features
-    times = _time(fns, args.steps, args.warmup)
+    times = common.time_alternating(fns, args.steps, args.warmup)
     rate = {name: args.batch / statistics.median(t) for name, t in times.items()}
 
     # ---------------------------------------------------------------- mining pass
@@ -190,7 +178,7 @@ def main() -> None:
         topk(embeds, texts, labels)
         topk_times.append(time.perf_counter() - start)
 
-    mining = _time(
+    mining = common.time_alternating(
         {"pass": mining_pass, "encoder": lambda: scorer.image_features(prepped)},
         args.mining_steps,
         0,

@@ -24,11 +24,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     args.num_classes = detr_args.num_classes
     # Four levels from a 128 px image hold 340 positions (16^2 + 8^2 + 4^2 + 2^2); the two-stage
     # selection takes its queries from them.
-    args.num_queries = 30 if smoke else 100
+    args.num_queries = 30 if smoke else 50
     args.hidden_dim = detr_args.hidden_dim
     args.num_heads = detr_args.num_heads
     args.num_encoder_layers = detr_args.num_encoder_layers
-    args.num_decoder_layers = 2 if smoke else 3
+    args.num_decoder_layers = 2
     args.ffn_dim = detr_args.ffn_dim
     args.dropout = 0.0
     args.backbone = detr_args.backbone
@@ -37,7 +37,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     # Noised copies of the (at most max_boxes) targets: positives and negatives together.
     config.denoising = ml_collections.ConfigDict()
-    config.denoising.num_queries = 4 * config.input.max_boxes if smoke else 100
+    config.denoising.num_queries = 4 * config.input.max_boxes
     config.denoising.label_noise_ratio = 0.5
     config.denoising.box_noise_scale = 1.0
 
@@ -45,4 +45,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.loss = ml_collections.ConfigDict()
     config.loss.focal_alpha = 0.25
     config.loss.focal_gamma = 2.0
+
+    # The same CPU budget as synthetic_detr.py's 3000 steps: a DINO step costs about 2.7 times a
+    # DETR step here (bench/dino_step.py times the step itself).
+    if not smoke:
+        config.total_steps = 1100
+        config.optim.decay_epochs = (6.0,)
     return config

@@ -461,3 +461,58 @@ def test_pretrained_backbone_enters_the_detector(tmp_path, data_dir):
     np.testing.assert_array_equal(
         loaded.params["input_projection"]["kernel"], fresh.params["input_projection"]["kernel"]
     )
+
+
+# ------------------------------------------------------------------------------------------------
+# 7. DINO trains through the same loop (denoising queries, focal loss) and exports.
+# ------------------------------------------------------------------------------------------------
+
+
+def test_dino_smoke_run_keeps_the_frozen_backbone_and_exports(tmp_path, data_dir, compile_cache):
+    from ood_jax import config_files
+    from ood_jax.models import load_exported
+    from ood_jax.train import export
+
+    config_file = REPO / "configs" / "synthetic_dino.py"
+    workdir = tmp_path / "dino"
+    overrides = {"total_steps": 3, "checkpoint_every": 3, "log_every": 1}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        cli.main(
+            [
+                "train",
+                f"--config={config_file}:smoke",
+                f"--workdir={workdir}",
+                f"--config.dataset.data_dir={data_dir}",
+                *(f"--config.{k}={v}" for k, v in overrides.items()),
+            ]
+        )
+    logged = losses(out.getvalue())
+    assert sorted(logged) == [1, 2, 3] and all(math.isfinite(v) for v in logged.values())
+    assert json.loads((workdir / "results.json").read_text())["step"] == 3
+
+    config = config_files.load(config_file, "smoke")
+    config.dataset.data_dir = str(data_dir)
+    initial = train.setup(config, tmp_path / "fresh")["state"].params
+    final = load_state(workdir, 3)
+    backbone = [k for k in final if "['backbone']" in k and "['params']" in k]
+    assert backbone
+
+    def initial_value(name: str) -> np.ndarray:
+        leaf = initial
+        for key in re.findall(r"\['([^']+)'\]", name)[1:]:
+            leaf = leaf[key]
+        return np.asarray(leaf)
+
+    for name in backbone:
+        np.testing.assert_array_equal(final[name], initial_value(name), err_msg=name)
+    # Only the denoising queries reach the label embedding: it moved, so they were trained.
+    label_embedding = [k for k in final if "label" in k and "['params']" in k]
+    assert label_embedding
+    for name in label_embedding:
+        assert not np.allclose(final[name], initial_value(name)), name
+
+    model = load_exported(export.export(workdir, tmp_path / "exported"))
+    detections = model.predict(np.zeros((90, 120, 3), np.uint8))
+    num_pairs = config.model.args.num_queries * config.model.args.num_classes
+    assert detections["scores"].shape == (min(300, num_pairs),)

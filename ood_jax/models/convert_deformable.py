@@ -35,11 +35,12 @@ DINO's layout (models/dino in IDEA-Research/DINO, config DINO_4scale.py) is mapp
   transformer.encoder.layers.{i}.self_attn.*              -> encoder_layers_{i}/self_attn/*
   transformer.encoder.layers.{i}.norm1 / linear1 / linear2 / norm2
       -> encoder_layers_{i}/self_attn_layer_norm / mlp/fc1 / mlp/fc2 / final_layer_norm
-  transformer.decoder.layers.{i}.self_attn.in_proj_*, out_proj -> decoder_layers_{i}/self_attn/*
-  transformer.decoder.layers.{i}.norm2 (after self-attention)  -> .../self_attn_layer_norm
-  transformer.decoder.layers.{i}.cross_attn.*                   -> .../encoder_attn/*
-  transformer.decoder.layers.{i}.norm1 (after cross-attention)  -> .../encoder_attn_layer_norm
-  transformer.decoder.layers.{i}.linear1 / linear2 / norm3      -> .../mlp/fc1 / fc2 / final_layer_norm
+  transformer.decoder.layers.{i}.X, with decoder_layers_{i}/... for:
+      self_attn.in_proj_*, out_proj    -> self_attn/{q,k,v}_proj, self_attn/o_proj
+      norm2 (after self-attention)     -> self_attn_layer_norm
+      cross_attn.*                     -> encoder_attn/*
+      norm1 (after cross-attention)    -> encoder_attn_layer_norm
+      linear1 / linear2 / norm3        -> mlp/fc1 / mlp/fc2 / final_layer_norm
   transformer.decoder.norm                                -> decoder_norm
   transformer.decoder.ref_point_head.layers.{j}           -> ref_point_head/layers_{j}
   [transformer.decoder.]class_embed.{i} / bbox_embed.{i}  -> class_embed_{i} / bbox_embed_{i}
@@ -47,6 +48,9 @@ DINO's layout (models/dino in IDEA-Research/DINO, config DINO_4scale.py) is mapp
   transformer.enc_output / enc_output_norm                -> enc_output / enc_output_norm
   transformer.enc_out_class_embed / enc_out_bbox_embed    -> enc_class_embed / enc_bbox_embed
   label_enc                                               -> label_enc (denoising labels)
+
+DINO configs that share the encoder's proposal heads with the decoder's
+(`two_stage_{class,bbox}_embed_share`) load them as two equal copies, which fine-tuning unties.
 
 The shapes give the architecture (classes, queries, width, depths, FFN width, levels, ResNet-50
 or -101); heads and points per level cannot be told apart from shapes and are arguments

@@ -145,47 +145,6 @@ def _layer_norm(dtype: Any, name: str) -> nn.LayerNorm:
     return nn.LayerNorm(epsilon=LN_EPS, dtype=dtype, name=name)
 
 
-class SelfAttention(nn.Module):
-    """Multi-head attention with an optional boolean mask [Q, K] or [B, Q, K] (True = may
-    attend); queries and keys share one input, as in a DETR decoder's self-attention."""
-
-    num_heads: int
-    dropout: float = 0.0
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(
-        self,
-        query_key: jax.Array,
-        value: jax.Array,
-        mask: jax.Array | None = None,
-        train: bool = False,
-    ) -> jax.Array:
-        dim = value.shape[-1]
-        if dim % self.num_heads:
-            raise ValueError(f"d_model {dim} is not divisible by num_heads {self.num_heads}")
-        head_dim = dim // self.num_heads
-
-        def project(x: jax.Array, name: str) -> jax.Array:
-            y = nn.Dense(dim, dtype=self.dtype, kernel_init=_xavier, name=name)(x)
-            return y.reshape(*x.shape[:-1], self.num_heads, head_dim)
-
-        q = project(query_key, "q_proj")
-        k = project(query_key, "k_proj")
-        v = project(value, "v_proj")
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-        logits = logits * head_dim**-0.5
-        if mask is not None:
-            mask = mask if mask.ndim == 3 else mask[None]
-            # The most negative finite value rather than -inf: a row with no allowed key stays
-            # finite (uniform) instead of NaN.
-            logits = jnp.where(mask[:, None], logits, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(logits, axis=-1).astype(self.dtype)
-        weights = nn.Dropout(self.dropout)(weights, deterministic=not train)
-        out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(value.shape)
-        return nn.Dense(dim, dtype=self.dtype, kernel_init=_xavier, name="o_proj")(out)
-
-
 class _PostNormLayer(nn.Module):
     """Shared fields and sublayer steps of the deformable encoder and decoder layers."""
 
@@ -253,10 +212,11 @@ class DeformableDecoderLayer(_PostNormLayer):
         self_attn_mask: jax.Array | None = None,
         train: bool = False,
     ) -> jax.Array:
-        attention = SelfAttention(
+        attention = detr.Attention(
             self.num_heads, self.attention_dropout, self.dtype, name="self_attn"
         )
-        y = attention(x + query_pos, x, self_attn_mask, train)
+        qk = x + query_pos
+        y = attention(qk, qk, x, None, train, attention_mask=self_attn_mask)
         x = self.add_norm(x, y, "self_attn_layer_norm", train)
         y = self.deformable_attention("encoder_attn")(
             x + query_pos, reference_points, memory, memory_mask, spatial_shapes
@@ -390,16 +350,77 @@ class SimpleFeaturePyramid(nn.Module):
 
 
 def backbone_feature_maps(
-    backbone: nn.Module, images: jax.Array, stages: Sequence[str], train: bool, dtype: Any
+    backbone: nn.Module,
+    images: jax.Array,
+    stages: Sequence[str],
+    train: bool,
+    dtype: Any,
+    frozen: bool = False,
 ) -> list[jax.Array]:
-    """The maps the neck projects: ResNet stages by name, or a ViT's simple pyramid."""
-    out = backbone(images, train)
+    """The maps the neck projects: ResNet stages by name, or a ViT's simple pyramid.
+
+    A `frozen` backbone runs in inference mode and passes no gradient back (see
+    `detr.DETR.freeze_backbone`); the pyramid over a ViT's map is still trained.
+    """
+    out = backbone(images, train and not frozen)
+    if frozen:
+        out = jax.lax.stop_gradient(out)
     if "features" in out:
         return SimpleFeaturePyramid(dtype=dtype, name="vit_pyramid")(out["features"])
     missing = [s for s in stages if s not in out]
     if missing:
         raise ValueError(f"backbone_stages {tuple(stages)}: the backbone has no {missing}")
     return [out[s] for s in stages]
+
+
+def layer_kwargs(model: nn.Module, points: int) -> dict[str, Any]:
+    """Encoder/decoder layer settings from a detector's fields (DeformableDetr, DINO)."""
+    return dict(
+        num_heads=model.num_heads,
+        num_levels=model.num_feature_levels,
+        num_points=points,
+        ffn_dim=model.ffn_dim,
+        dropout=model.dropout,
+        remat=model.remat,
+        dtype=model.dtype,
+    )
+
+
+def encode_images(
+    model: nn.Module,
+    images: jax.Array,
+    pixel_mask: jax.Array,
+    train: bool,
+    temperature: float,
+    offset: float,
+    input_dropout: float = 0.0,
+) -> tuple[jax.Array, FlatLevels]:
+    """Backbone -> multi-scale neck -> flattened levels -> deformable encoder.
+
+    Called from the compact `__call__` of `model` (a DeformableDetr or DINO, whose field names
+    it reads), so the submodules live in its scope: "backbone", "neck", "level_embed",
+    "encoder_layers_{i}". `input_dropout` applies to the encoder's input (Deformable DETR's; DINO
+    has none). Returns the encoder memory [B, S, D] and the flattened levels.
+    """
+    backbone = detr.build_backbone(
+        model.backbone, model.backbone_norm, model.dilation, model.dtype, name="backbone"
+    )
+    maps = backbone_feature_maps(
+        backbone, images, model.backbone_stages, train, model.dtype, model.freeze_backbone
+    )
+    levels = MultiScaleNeck(
+        model.hidden_dim, model.num_feature_levels, dtype=model.dtype, name="neck"
+    )(maps, pixel_mask)
+    embedding = level_embedding(model.num_feature_levels, model.hidden_dim)
+    flat = flatten_levels(levels, embedding, temperature, offset)
+    x = nn.Dropout(input_dropout)(flat.source, deterministic=not train)
+    reference = encoder_reference_points(flat.spatial_shapes, flat.ratios)
+    for i in range(model.num_encoder_layers):
+        layer = DeformableEncoderLayer(
+            **layer_kwargs(model, model.encoder_points), name=f"encoder_layers_{i}"
+        )
+        x = layer(x, flat.pos, reference, flat.mask, flat.spatial_shapes, train)
+    return x, flat
 
 
 class DeformableDetr(nn.Module):
@@ -418,7 +439,7 @@ class DeformableDetr(nn.Module):
       shared_class_head, shared_box_head: one head for every decoder layer instead of one per
         layer; None ties them as transformers does (class heads unless `two_stage`, box heads
         unless `with_box_refine`). The two-stage encoder head is always its own.
-      backbone, backbone_norm, dilation: as in `detr.DETR`.
+      backbone, backbone_norm, freeze_backbone, dilation: as in `detr.DETR`.
       backbone_stages: the ResNet stages the neck projects (C3-C5 by default).
       remat: recompute deformable sampling in the backward pass.
       dtype: compute dtype; parameters stay float32.
@@ -442,21 +463,11 @@ class DeformableDetr(nn.Module):
     shared_box_head: bool | None = None
     backbone: str | resnet.ResNet | vit.ViT = "resnet50"
     backbone_norm: resnet.Norm = "frozen"
+    freeze_backbone: bool = False
     dilation: bool = False
     backbone_stages: tuple[str, ...] = ("stage2", "stage3", "stage4")
     remat: bool = False
     dtype: Any = jnp.float32
-
-    def _layer_kwargs(self, points: int) -> dict[str, Any]:
-        return dict(
-            num_heads=self.num_heads,
-            num_levels=self.num_feature_levels,
-            num_points=points,
-            ffn_dim=self.ffn_dim,
-            dropout=self.dropout,
-            remat=self.remat,
-            dtype=self.dtype,
-        )
 
     def _heads(self) -> tuple[list[nn.Module], list[nn.Module]]:
         """Class and box head of each decoder layer (and, two-stage, the encoder's last)."""
@@ -487,6 +498,42 @@ class DeformableDetr(nn.Module):
             )
         return class_heads, box_heads
 
+    def _two_stage_queries(
+        self, memory: jax.Array, flat: FlatLevels, class_head: nn.Module, box_head: nn.Module
+    ) -> tuple[jax.Array, jax.Array, jax.Array, dict[str, jax.Array]]:
+        """Queries from the top-k encoder proposals: (query_pos, target, reference boxes, the
+        encoder's outputs over every position)."""
+        dim = self.hidden_dim
+        proposals = encoder_proposals(memory, flat.mask, flat.spatial_shapes)
+        features = nn.Dense(dim, dtype=self.dtype, name="enc_output")(proposals.memory)
+        features = _layer_norm(self.dtype, "enc_output_norm")(features)
+        logits = class_head(features).astype(jnp.float32)
+        coords = box_head(features).astype(jnp.float32) + proposals.logits
+        # Deformable DETR ranks proposals by the first class's logit (its encoder head is a
+        # binary foreground classifier in the original).
+        _, top = jax.lax.top_k(logits[..., 0], self.num_queries)
+        selected = jnp.take_along_axis(coords, top[..., None], axis=1)
+        reference = jax.nn.sigmoid(jax.lax.stop_gradient(selected))
+        embedding = sine_embedding(reference * (2 * math.pi), dim // 2).astype(self.dtype)
+        embedding = nn.Dense(2 * dim, dtype=self.dtype, name="pos_trans")(embedding)
+        embedding = _layer_norm(self.dtype, "pos_trans_norm")(embedding)
+        enc = {"logits": logits, "boxes": jax.nn.sigmoid(coords)}
+        return embedding[..., :dim], embedding[..., dim:], reference, enc
+
+    def _learned_queries(self, batch: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Learned queries: (query_pos, target, 2-d reference points from query_pos)."""
+        dim = self.hidden_dim
+        embedding = nn.Embed(
+            self.num_queries,
+            2 * dim,
+            embedding_init=nn.initializers.normal(1.0),
+            name="query_position_embeddings",
+        )(jnp.arange(self.num_queries))
+        embedding = jnp.broadcast_to(embedding.astype(self.dtype), (batch, *embedding.shape))
+        query_pos, target = embedding[..., :dim], embedding[..., dim:]
+        points = nn.Dense(2, dtype=self.dtype, kernel_init=_xavier, name="reference_points")
+        return query_pos, target, jax.nn.sigmoid(points(query_pos).astype(jnp.float32))
+
     @nn.compact
     def __call__(
         self, images: jax.Array, pixel_mask: jax.Array | None = None, train: bool = False
@@ -495,68 +542,23 @@ class DeformableDetr(nn.Module):
             raise ValueError("two_stage needs with_box_refine, as in Deformable DETR")
         if pixel_mask is None:
             pixel_mask = jnp.ones(images.shape[:3], bool)
-        backbone = detr.build_backbone(
-            self.backbone, self.backbone_norm, self.dilation, self.dtype, name="backbone"
+        memory, flat = encode_images(
+            self, images, pixel_mask, train, 10000.0, offset=0.5, input_dropout=self.dropout
         )
-        maps = backbone_feature_maps(backbone, images, self.backbone_stages, train, self.dtype)
-        levels = MultiScaleNeck(
-            self.hidden_dim, self.num_feature_levels, dtype=self.dtype, name="neck"
-        )(maps, pixel_mask)
-        flat = flatten_levels(
-            levels, level_embedding(self.num_feature_levels, self.hidden_dim), 10000.0, 0.5
-        )
-        batch = images.shape[0]
-
-        x = nn.Dropout(self.dropout)(flat.source, deterministic=not train)
-        reference = encoder_reference_points(flat.spatial_shapes, flat.ratios)
-        for i in range(self.num_encoder_layers):
-            layer = DeformableEncoderLayer(
-                **self._layer_kwargs(self.encoder_points), name=f"encoder_layers_{i}"
-            )
-            x = layer(x, flat.pos, reference, flat.mask, flat.spatial_shapes, train)
-        memory = x
-
         class_heads, box_heads = self._heads()
         outputs: dict[str, Any] = {}
-        dim = self.hidden_dim
         if self.two_stage:
-            proposals = encoder_proposals(memory, flat.mask, flat.spatial_shapes)
-            queries = nn.Dense(dim, dtype=self.dtype, name="enc_output")(proposals.memory)
-            queries = _layer_norm(self.dtype, "enc_output_norm")(queries)
-            enc_logits = class_heads[-1](queries).astype(jnp.float32)
-            enc_coords = box_heads[-1](queries).astype(jnp.float32) + proposals.logits
-            outputs["enc"] = {"logits": enc_logits, "boxes": jax.nn.sigmoid(enc_coords)}
-            # Deformable DETR ranks proposals by the first class's logit (its encoder head is a
-            # binary foreground classifier in the original).
-            _, top = jax.lax.top_k(enc_logits[..., 0], self.num_queries)
-            coords = jax.lax.stop_gradient(jnp.take_along_axis(enc_coords, top[..., None], axis=1))
-            reference = jax.nn.sigmoid(coords)
-            embedding = sine_embedding(reference * (2 * math.pi), dim // 2)
-            embedding = nn.Dense(2 * dim, dtype=self.dtype, name="pos_trans")(
-                embedding.astype(self.dtype)
+            query_pos, hidden, reference, outputs["enc"] = self._two_stage_queries(
+                memory, flat, class_heads[-1], box_heads[-1]
             )
-            embedding = _layer_norm(self.dtype, "pos_trans_norm")(embedding)
-            query_pos, target = embedding[..., :dim], embedding[..., dim:]
         else:
-            embedding = nn.Embed(
-                self.num_queries,
-                2 * dim,
-                embedding_init=nn.initializers.normal(1.0),
-                name="query_position_embeddings",
-            )(jnp.arange(self.num_queries))
-            embedding = jnp.broadcast_to(embedding.astype(self.dtype), (batch, *embedding.shape))
-            query_pos, target = embedding[..., :dim], embedding[..., dim:]
-            reference = jax.nn.sigmoid(
-                nn.Dense(2, dtype=self.dtype, kernel_init=_xavier, name="reference_points")(
-                    query_pos
-                ).astype(jnp.float32)
-            )
+            query_pos, hidden, reference = self._learned_queries(images.shape[0])
 
-        hidden, references = target, [reference]
-        layer_outputs = []
+        # references[i] is what decoder layer i samples around and predicts its box from.
+        references, layer_outputs = [reference], []
         for i in range(self.num_decoder_layers):
             layer = DeformableDecoderLayer(
-                **self._layer_kwargs(self.decoder_points),
+                **layer_kwargs(self, self.decoder_points),
                 attention_dropout=self.attention_dropout,
                 name=f"decoder_layers_{i}",
             )
@@ -590,12 +592,12 @@ def _refine(reference: jax.Array, delta: jax.Array) -> jax.Array:
 def postprocess(outputs: dict[str, jax.Array], top_k: int = 100) -> dict[str, jax.Array]:
     """Deformable DETR / DINO post-processing: the top_k (query, class) pairs by sigmoid score.
 
-    Returns "scores" [B, top_k], "labels" [B, top_k] int32 and "boxes" [B, top_k, 4] cxcywh.
+    Returns "scores" [B, K], "labels" [B, K] int32 and "boxes" [B, K, 4] cxcywh, where
+    K = min(top_k, queries x classes): a small model has fewer pairs than the default top_k.
     """
     logits = outputs["logits"].astype(jnp.float32)
     batch, num_queries, num_classes = logits.shape
-    if top_k > num_queries * num_classes:
-        raise ValueError(f"top_k {top_k} exceeds queries x classes = {num_queries * num_classes}")
+    top_k = min(top_k, num_queries * num_classes)
     scores, flat = jax.lax.top_k(jax.nn.sigmoid(logits).reshape(batch, -1), top_k)
     query = flat // num_classes
     boxes = jnp.take_along_axis(outputs["boxes"].astype(jnp.float32), query[..., None], axis=1)

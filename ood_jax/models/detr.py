@@ -84,7 +84,8 @@ def sine_position_embedding(
 
 
 class Attention(nn.Module):
-    """Multi-head attention with separate query/key/value inputs and a key padding mask."""
+    """Multi-head attention with separate query/key/value inputs, a key padding mask [B, K] and
+    an optional attention mask [Q, K] or [B, Q, K] (True = may attend)."""
 
     num_heads: int
     dropout: float = 0.0
@@ -98,6 +99,7 @@ class Attention(nn.Module):
         value: jax.Array,
         key_mask: jax.Array | None = None,
         train: bool = False,
+        attention_mask: jax.Array | None = None,
     ) -> jax.Array:
         dim = query.shape[-1]
         if dim % self.num_heads:
@@ -113,12 +115,16 @@ class Attention(nn.Module):
         v = project(value, "v_proj")
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
         logits = logits * head_dim**-0.5
+        # The most negative finite value acts as -inf (its exp is exactly 0 next to any real
+        # key) but leaves a row with no allowed key uniform instead of NaN, so an all-padding
+        # filler example in a batch cannot poison the loss.
+        big_neg = jnp.finfo(jnp.float32).min
         if key_mask is not None:
-            # The most negative finite value acts as -inf (its exp is exactly 0 next to any
-            # real key) but leaves a fully padded example uniform instead of NaN, so an
-            # all-padding filler example in a batch cannot poison the loss.
-            big_neg = jnp.finfo(jnp.float32).min
             logits = jnp.where(key_mask[:, None, None, :], logits, big_neg)
+        if attention_mask is not None:
+            if attention_mask.ndim == 2:
+                attention_mask = attention_mask[None]
+            logits = jnp.where(attention_mask[:, None], logits, big_neg)
         weights = jax.nn.softmax(logits, axis=-1).astype(self.dtype)
         weights = nn.Dropout(self.dropout)(weights, deterministic=not train)
         out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(*query.shape[:-1], dim)

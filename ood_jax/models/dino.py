@@ -83,8 +83,8 @@ class DINO(nn.Module):
       shared_decoder_heads: one class head and one box head for all decoder layers, as DINO's
         released models; the encoder's proposal heads are always their own.
       position_temperature: of the image sine embedding (DINO uses 20).
-      backbone, backbone_norm, dilation, backbone_stages: as in `DeformableDetr`; a ViT name
-        gives the simple feature pyramid of its stride-16 map.
+      backbone, backbone_norm, freeze_backbone, dilation, backbone_stages: as in
+        `DeformableDetr`; a ViT name gives the simple feature pyramid of its stride-16 map.
       remat: recompute deformable sampling in the backward pass.
       dtype: compute dtype; parameters stay float32.
     """
@@ -105,48 +105,11 @@ class DINO(nn.Module):
     position_temperature: float = 20.0
     backbone: str | resnet.ResNet | vit.ViT = "resnet50"
     backbone_norm: resnet.Norm = "frozen"
+    freeze_backbone: bool = False
     dilation: bool = False
     backbone_stages: tuple[str, ...] = ("stage2", "stage3", "stage4")
     remat: bool = False
     dtype: Any = jnp.float32
-
-    def _layer_kwargs(self, points: int) -> dict[str, Any]:
-        return dict(
-            num_heads=self.num_heads,
-            num_levels=self.num_feature_levels,
-            num_points=points,
-            ffn_dim=self.ffn_dim,
-            dropout=self.dropout,
-            remat=self.remat,
-            dtype=self.dtype,
-        )
-
-    def _encode(
-        self, images: jax.Array, pixel_mask: jax.Array, train: bool
-    ) -> tuple[jax.Array, ddetr.FlatLevels]:
-        backbone = detr.build_backbone(
-            self.backbone, self.backbone_norm, self.dilation, self.dtype, name="backbone"
-        )
-        maps = ddetr.backbone_feature_maps(
-            backbone, images, self.backbone_stages, train, self.dtype
-        )
-        levels = ddetr.MultiScaleNeck(
-            self.hidden_dim, self.num_feature_levels, dtype=self.dtype, name="neck"
-        )(maps, pixel_mask)
-        flat = ddetr.flatten_levels(
-            levels,
-            ddetr.level_embedding(self.num_feature_levels, self.hidden_dim),
-            self.position_temperature,
-            offset=0.0,
-        )
-        x = flat.source
-        reference = ddetr.encoder_reference_points(flat.spatial_shapes, flat.ratios)
-        for i in range(self.num_encoder_layers):
-            layer = ddetr.DeformableEncoderLayer(
-                **self._layer_kwargs(self.encoder_points), name=f"encoder_layers_{i}"
-            )
-            x = layer(x, flat.pos, reference, flat.mask, flat.spatial_shapes, train)
-        return x, flat
 
     def _select_queries(
         self, memory: jax.Array, flat: ddetr.FlatLevels
@@ -230,7 +193,9 @@ class DINO(nn.Module):
         if pixel_mask is None:
             pixel_mask = jnp.ones(images.shape[:3], bool)
         batch = images.shape[0]
-        memory, flat = self._encode(images, pixel_mask, train)
+        memory, flat = ddetr.encode_images(
+            self, images, pixel_mask, train, self.position_temperature, offset=0.0
+        )
         anchors, enc = self._select_queries(memory, flat)
         content = nn.Embed(
             self.num_queries,
@@ -295,7 +260,7 @@ class DINO(nn.Module):
             sine = anchor_sine_embedding(ref_input[:, :, 0], self.hidden_dim // 2)
             query_pos = ref_point_head(sine.astype(self.dtype))
             layer = ddetr.DeformableDecoderLayer(
-                **self._layer_kwargs(self.decoder_points),
+                **ddetr.layer_kwargs(self, self.decoder_points),
                 attention_dropout=self.dropout,
                 name=f"decoder_layers_{i}",
             )

@@ -1,0 +1,447 @@
+#!/usr/bin/env python
+"""Benchmark: our DINO train and inference step next to transformers' PyTorch Deformable DETR,
+and multi-scale deformable attention alone next to transformers' pure-PyTorch op.
+
+Models, at the same size (DINO-4scale R50: d_model 256, 8 heads, 6 + 6 layers, FFN 2048,
+4 levels, 4 points, 900 queries, 91 classes, frozen BatchNorm, dropout 0), one batch of random
+ImageNet-normalized images (default 2 at 320x320, all pixels real) with 3 to 6 random boxes each
+(8 target slots):
+
+  * ours: `ood_jax.models.dino.DINO` with contrastive denoising queries
+    (`denoising.make_cdn_queries`, `--dn` of them) and `ood_jax.train.dino_loss.dino_loss`
+    (in-graph Hungarian matching of the final, 5 auxiliary and the encoder outputs, focal loss,
+    L1, GIoU, plus the denoising losses of all 6 layers), backward, global-norm clipping 0.1 and
+    AdamW (lr 1e-4, backbone 1e-5, weight decay 1e-4), jitted with the state donated. The stem
+    and first ResNet stage are frozen, as DINO and transformers freeze them. Inference: forward
+    + top-300 post-processing, jitted.
+  * torch: `transformers.DeformableDetrForObjectDetection` with `two_stage=True`,
+    `with_box_refine=True`, 900 proposals and `auxiliary_loss=True` (timm resnet50, random
+    init): forward with labels -> its loss (scipy matching, focal loss on 6 decoder outputs),
+    backward, clipping, torch.optim.AdamW with the same two parameter groups; inference in eval
+    mode under no_grad with the same top-300 post-processing.
+    `torch.set_num_threads(os.cpu_count())` unless `--torch-threads`.
+  Our step does strictly more work than torch's (denoising queries, the encoder-proposal and
+  denoising losses). Our weights are random draws of the right shapes (no init compile); the two
+  models are different architectures, so their outputs are not compared.
+
+  * the op: `multi_scale_deformable_attention` against transformers'
+    `MultiScaleDeformableAttention` (grid_sample), forward and forward+backward (gradients for
+    value, sampling locations and attention weights), at DINO's decoder shapes: batch `--batch`,
+    900 queries, 8 heads of 32 channels, 4 levels x 4 points, over the 4 levels of an
+    `--op-size` image (default 800x1333, COCO's test scale: 100x167, 50x84, 25x42, 13x21).
+
+Warm-up runs are excluded; compile times are reported separately; each figure is the median of
+`--steps` timed runs, ours and torch alternating so a change in the machine's load weighs on
+both. If `ood_jax.train.dino_loss` cannot be imported, both train steps instead time forward +
+backward of the sum of all outputs (and say so).
+
+    python bench/dino_step.py [--steps 3] [--warmup 1] [--size 320] [--batch 2] [--dn 100]
+                              [--op-size 800x1333] [--dtype float32|bfloat16] [--remat]
+                              [--torch-threads T] [--no-torch]
+
+The last line sums up the ratios (torch time / our time; above 1 means ours is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import common  # noqa: E402  (bench/, the directory of this script)
+
+NUM_CLASSES = 91
+NUM_QUERIES = 900
+MAX_BOXES = 8
+TOP_K = 300
+HEADS, HEAD_DIM, LEVELS, POINTS = 8, 32, 4, 4
+BACKBONE_LR, LR, WEIGHT_DECAY, CLIP_NORM = 1e-5, 1e-4, 1e-4, 0.1  # DINO's recipe
+# Parameters DINO and transformers leave frozen: the stem and the first ResNet stage.
+FROZEN = ("backbone/stem_", "backbone/stage1_")
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=3, help="timed runs per measurement")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs after compiling")
+    parser.add_argument("--size", type=int, default=320, help="image height and width")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--dn", type=int, default=100, help="denoising query budget")
+    parser.add_argument("--op-size", default="800x1333", help="HxW image the op's levels tile")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--remat", action="store_true", help="recompute deformable sampling")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-torch", action="store_true", help="time only ours")
+    parser.add_argument(
+        "--torch-threads", type=int, default=0, help="torch intra-op threads (0: all cores)"
+    )
+    args = parser.parse_args()
+    if args.steps < 1 or args.warmup < 0 or args.batch < 1:
+        parser.error("need --steps >= 1, --warmup >= 0, --batch >= 1")
+    if (args.size // 8) ** 2 < NUM_QUERIES:
+        parser.error(f"--size {args.size} gives fewer encoder positions than {NUM_QUERIES}")
+    try:
+        args.op_hw = tuple(int(v) for v in args.op_size.lower().split("x"))
+        assert len(args.op_hw) == 2 and min(args.op_hw) >= 64
+    except (ValueError, AssertionError):
+        parser.error(f"--op-size {args.op_size!r}: expected HxW, each at least 64")
+    return args
+
+
+def _level_shapes(height: int, width: int) -> list[tuple[int, int]]:
+    """The 4 levels (strides 8, 16, 32 and the extra 64) of an image, as ResNet + neck give."""
+    shapes, h, w = [], height, width
+    for _ in range(2):  # stem conv and max pool
+        h, w = (h + 1) // 2, (w + 1) // 2
+    for _ in range(LEVELS):
+        h, w = (h + 1) // 2, (w + 1) // 2
+        shapes.append((h, w))
+    return shapes
+
+
+# --------------------------------------------------------------------------------------------
+# torch side
+# --------------------------------------------------------------------------------------------
+
+
+def _torch_runner(args: argparse.Namespace, inputs, use_loss: bool) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    torch.manual_seed(args.seed)
+    config = transformers.DeformableDetrConfig(
+        use_timm_backbone=True,
+        backbone="resnet50",
+        use_pretrained_backbone=False,
+        num_labels=NUM_CLASSES,
+        two_stage=True,
+        with_box_refine=True,
+        two_stage_num_proposals=NUM_QUERIES,
+        num_queries=NUM_QUERIES,
+        encoder_ffn_dim=2048,
+        decoder_ffn_dim=2048,
+        dropout=0.0,
+        auxiliary_loss=True,
+    )
+    model = transformers.DeformableDetrForObjectDetection(config)
+    images, boxes, labels, mask = inputs
+    pixel_values = torch.from_numpy(images).permute(0, 3, 1, 2).contiguous()
+    pixel_mask = torch.ones(args.batch, args.size, args.size, dtype=torch.long)
+    targets = [
+        {
+            "class_labels": torch.from_numpy(labels[i][mask[i]]).long(),
+            "boxes": torch.from_numpy(boxes[i][mask[i]]),
+        }
+        for i in range(args.batch)
+    ]
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    backbone = [p for n, p in trainable if n.startswith("model.backbone.")]
+    rest = [p for n, p in trainable if not n.startswith("model.backbone.")]
+    optimizer = torch.optim.AdamW(
+        [{"params": backbone, "lr": BACKBONE_LR}, {"params": rest, "lr": LR}],
+        lr=LR,
+        weight_decay=WEIGHT_DECAY,
+    )
+
+    def predict():
+        model.eval()
+        with torch.no_grad():
+            out = model(pixel_values=pixel_values, pixel_mask=pixel_mask)
+            scores, index = out.logits.sigmoid().flatten(1).topk(TOP_K, dim=1)
+            boxes = out.pred_boxes.gather(1, (index // NUM_CLASSES)[..., None].expand(-1, -1, 4))
+        return scores, index % NUM_CLASSES, boxes
+
+    def step():
+        model.train()
+        optimizer.zero_grad(set_to_none=True)
+        if use_loss:
+            loss = model(pixel_values=pixel_values, pixel_mask=pixel_mask, labels=targets).loss
+        else:
+            out = model(pixel_values=pixel_values, pixel_mask=pixel_mask)
+            loss = out.logits.sum() + out.pred_boxes.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for _, p in trainable], CLIP_NORM)
+        optimizer.step()
+        return float(loss.detach())
+
+    losses = []
+    return {"predict": predict, "train": lambda: losses.append(step()), "losses": losses}
+
+
+def _torch_op_runner(value, shapes, locations, weights) -> dict[str, Any]:
+    import torch
+    from transformers.models.deformable_detr.modeling_deformable_detr import (
+        MultiScaleDeformableAttention,
+    )
+
+    op = MultiScaleDeformableAttention()
+    spatial = torch.tensor(shapes)
+    starts = torch.cat([spatial.new_zeros(1), spatial.prod(1).cumsum(0)[:-1]])
+    tensors = [torch.from_numpy(x) for x in (value, locations, weights)]
+    grads = [t.clone().requires_grad_(True) for t in tensors]
+
+    def forward():
+        with torch.no_grad():
+            return op(*tensors[:1], spatial, shapes, starts, *tensors[1:], 64)
+
+    def backward():
+        for g in grads:
+            g.grad = None
+        out = op(grads[0], spatial, shapes, starts, grads[1], grads[2], 64)
+        out.sum().backward()
+        return [g.grad for g in grads]
+
+    return {"op forward": forward, "op fwd+bwd": backward}
+
+
+# --------------------------------------------------------------------------------------------
+# our side
+# --------------------------------------------------------------------------------------------
+
+
+def _random_variables(module, images) -> dict:
+    """Random draws of every variable's shape (sane scales; avoids compiling `init`)."""
+    import jax
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+
+    def draw(path, leaf):
+        name, shape = path[-1].key, leaf.shape
+        if name == "var":
+            return rng.uniform(0.5, 1.5, shape).astype(np.float32)
+        if name in ("kernel", "embedding"):
+            fan_in = np.prod(shape[:-1]) if name == "kernel" else shape[-1]
+            return (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
+        return ((name == "scale") + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+
+    abstract = jax.eval_shape(module.init, jax.random.key(0), images[:1])
+    return jax.tree_util.tree_map_with_path(draw, abstract)
+
+
+def _our_runner(args: argparse.Namespace, inputs, dtype, use_loss: bool) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import traverse_util
+
+    from ood_jax.models import denoising, dino
+
+    module = dino.DINO(num_classes=NUM_CLASSES, remat=args.remat, dtype=dtype)
+    images, boxes, labels, mask = (jnp.asarray(x) for x in inputs)
+    pixel_mask = jnp.ones(images.shape[:3], bool)
+    variables = _random_variables(module, images)
+
+    flat = traverse_util.flatten_dict(variables["params"], sep="/")
+    frozen = {k: v for k, v in flat.items() if k.startswith(FROZEN)}
+    trainable = {k: v for k, v in flat.items() if not k.startswith(FROZEN)}
+    group = {k: "backbone" if k.startswith("backbone/") else "rest" for k in trainable}
+
+    def adamw(lr):
+        return optax.adamw(lr, weight_decay=WEIGHT_DECAY)
+
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(CLIP_NORM),
+        optax.multi_transform({"backbone": adamw(BACKBONE_LR), "rest": adamw(LR)}, group),
+    )
+    model_state = {k: v for k, v in variables.items() if k != "params"}
+    # Everything the step reads is an argument, never a closed-over constant: XLA would fold
+    # the frozen stem over constant images at compile time and time less than the real work.
+    batch = {"images": images, "pixel_mask": pixel_mask, "boxes": boxes, "labels": labels}
+    batch["mask"] = mask
+    fixed = {"frozen": frozen, "model_state": model_state}
+
+    def apply(trainable, fixed, batch, **kwargs):
+        params = traverse_util.unflatten_dict({**trainable, **fixed["frozen"]}, sep="/")
+        variables = {"params": params, **fixed["model_state"]}
+        return module.apply(variables, batch["images"], batch["pixel_mask"], **kwargs)
+
+    def loss_fn(trainable, fixed, batch, rng):
+        denoise = denoising.make_cdn_queries(
+            rng,
+            batch["labels"],
+            batch["boxes"],
+            batch["mask"],
+            num_classes=NUM_CLASSES,
+            num_queries=NUM_QUERIES,
+            num_dn_queries=args.dn,
+        )
+        out = apply(trainable, fixed, batch, train=True, denoise=denoise)
+        if not use_loss:
+            return sum(jnp.sum(x) for x in jax.tree.leaves(out))
+        from ood_jax.train import dino_loss
+
+        targets = {k: batch[k] for k in ("boxes", "labels", "mask")}
+        total, _ = dino_loss.dino_loss(out, targets, dino_loss.DinoLossConfig(), denoise)
+        return total
+
+    def train_step(state, fixed, batch, rng):
+        trainable, opt_state = state
+        loss, grads = jax.value_and_grad(loss_fn)(trainable, fixed, batch, rng)
+        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        return (optax.apply_updates(trainable, updates), opt_state), loss
+
+    def predict(trainable, fixed, batch):
+        return dino.postprocess(apply(trainable, fixed, batch), TOP_K)
+
+    state = (trainable, jax.jit(optimizer.init)(trainable))
+    rng = jax.random.key(args.seed)
+    start = time.perf_counter()
+    predict_fn = jax.jit(predict).lower(state[0], fixed, batch).compile()
+    compile_predict = time.perf_counter() - start
+    start = time.perf_counter()
+    step_fn = jax.jit(train_step, donate_argnums=(0,)).lower(state, fixed, batch, rng).compile()
+    compile_train = time.perf_counter() - start
+
+    current, losses = [state], []
+
+    def run_step():
+        current[0], loss = step_fn(current[0], fixed, batch, rng)
+        losses.append(float(loss))  # blocks until the step is done
+
+    return {
+        "predict": lambda: jax.block_until_ready(predict_fn(current[0][0], fixed, batch)),
+        "train": run_step,
+        "losses": losses,
+        "compile_train": compile_train,
+        "compile_predict": compile_predict,
+    }
+
+
+def _our_op_runner(value, shapes, locations, weights, remat: bool) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    from ood_jax.models import deformable_attention as da
+
+    args = [jnp.asarray(x) for x in (value, locations, weights)]
+
+    def op(v, loc, w):
+        return da.multi_scale_deformable_attention(v, shapes, loc, w, remat=remat)
+
+    forward = jax.jit(op).lower(*args).compile()
+    backward = (
+        jax.jit(jax.grad(lambda *a: jnp.sum(op(*a)), argnums=(0, 1, 2))).lower(*args).compile()
+    )
+    return {
+        "op forward": lambda: jax.block_until_ready(forward(*args)),
+        "op fwd+bwd": lambda: jax.block_until_ready(backward(*args)),
+    }
+
+
+def _op_inputs(args: argparse.Namespace):
+    import numpy as np
+
+    shapes = _level_shapes(*args.op_hw)
+    rng = np.random.default_rng(args.seed)
+    keys = sum(h * w for h, w in shapes)
+    value = rng.standard_normal((args.batch, keys, HEADS, HEAD_DIM)).astype(np.float32)
+    locations = rng.uniform(0.0, 1.0, (args.batch, NUM_QUERIES, HEADS, LEVELS, POINTS, 2))
+    logits = rng.standard_normal((args.batch, NUM_QUERIES, HEADS, LEVELS * POINTS))
+    weights = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    weights = weights.reshape(locations.shape[:-1])
+    return value, shapes, locations.astype(np.float32), weights.astype(np.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------------
+
+
+def _summary(times: list[float]) -> str:
+    return f"{statistics.median(times):8.3f} [{min(times):.3f}-{max(times):.3f}]"
+
+
+def main() -> None:
+    args = _parse_args()
+    torch_threads = args.torch_threads or os.cpu_count()
+    if not args.no_torch:
+        # torch (and what it loads) before anything that may import tensorflow: triton
+        # segfaults when it loads after TF.
+        import timm  # noqa: F401
+        import torch
+        import torchvision  # noqa: F401
+
+        torch.set_num_threads(torch_threads)
+
+    import jax
+    import jax.numpy as jnp
+
+    try:
+        from ood_jax.train import dino_loss  # noqa: F401
+
+        use_loss, loss_note = True, "DINO loss (dino_loss) vs transformers' loss"
+    except ImportError as e:
+        use_loss = False
+        loss_note = f"ood_jax.train.dino_loss not importable ({e}): sum of outputs on both sides"
+
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    inputs = common.random_detection_input(args.seed, args.batch, args.size, MAX_BOXES, NUM_CLASSES)
+    op_inputs = _op_inputs(args)
+    load = os.getloadavg()[0]
+
+    runners = {"ours": _our_runner(args, inputs, dtype, use_loss)}
+    op_runners = {"ours": _our_op_runner(*op_inputs, remat=args.remat)}
+    if not args.no_torch:
+        runners["torch"] = _torch_runner(args, inputs, use_loss)
+        op_runners["torch"] = _torch_op_runner(*op_inputs)
+    rows = [("train", "train step"), ("predict", "inference"), ("op forward", "op forward")]
+    rows.append(("op fwd+bwd", "op fwd+bwd"))
+    times = {}
+    # Inference first: the train steps change the weights.
+    for key, _ in rows:
+        source = op_runners if key.startswith("op") else runners
+        fns = {name: r[key] for name, r in source.items()}
+        times[key] = common.time_alternating(fns, args.steps, args.warmup)
+
+    ours, theirs = runners["ours"], runners.get("torch")
+    device = jax.devices()[0]
+    print(
+        f"DINO-4scale R50 (d 256, 6+6 layers, FFN 2048, {NUM_QUERIES} queries, {args.dn} "
+        f"denoising budget) vs transformers Deformable DETR two-stage + box refine (same size): "
+        f"batch {args.batch}, {args.size}x{args.size}; ours in {args.dtype} on "
+        f"{device.platform} ({device.device_kind}), remat {args.remat}"
+    )
+    threads = "" if theirs is None else f" (torch threads {torch_threads})"
+    print(
+        f"  {os.cpu_count()} CPU cores{threads}, load average {load:.1f} before / "
+        f"{os.getloadavg()[0]:.1f} after; median [min-max] of {args.steps} runs after "
+        f"{args.warmup} warm-up, alternating"
+    )
+    print(f"  train loss: {loss_note}")
+    print(
+        f"  ours compile: train step {ours['compile_train']:.1f} s, predict "
+        f"{ours['compile_predict']:.1f} s (not in the timings); first losses ours "
+        f"{ours['losses'][0]:.3f}"
+        + ("" if theirs is None else f", torch {theirs['losses'][0]:.3f}")
+    )
+    shapes = op_inputs[1]
+    print(
+        f"  op: batch {args.batch}, {NUM_QUERIES} queries, {HEADS} heads x {HEAD_DIM}, "
+        f"{LEVELS} levels x {POINTS} points over {shapes} ({args.op_size} image)"
+    )
+    header = f"  {'':12s} {'ours (s)':>24s}"
+    if theirs is not None:
+        header += f" {'torch (s)':>24s} {'torch/ours':>11s}"
+    print(header)
+    medians = {key: {n: statistics.median(t) for n, t in times[key].items()} for key, _ in rows}
+    parts = []
+    for key, name in rows:
+        row = f"  {name:12s} {_summary(times[key]['ours']):>24s}"
+        part = f"{name}: ours {medians[key]['ours']:.3f} s"
+        if theirs is not None:
+            ratio = medians[key]["torch"] / medians[key]["ours"]
+            row += f" {_summary(times[key]['torch']):>24s} {ratio:10.2f}x"
+            part += f", torch {medians[key]['torch']:.3f} s, ratio torch/ours {ratio:.2f}"
+        print(row)
+        parts.append(part)
+    print("; ".join(parts))
+
+
+if __name__ == "__main__":
+    main()
