@@ -176,9 +176,12 @@ class FakeScorer:
     kind = "clip"
     logit_scale, logit_bias = 100.0, None
 
-    def __init__(self, dim: int = 16):
+    def __init__(self, dim: int = 16, fail_after_batches: int | None = None):
         self.dim = dim
         self.texts_seen: list[list[str]] = []
+        self.identity = {"fake": dim}
+        self.images_encoded = 0
+        self.batches_left = fail_after_batches
 
     def _vector(self, data: bytes) -> np.ndarray:
         seed = int.from_bytes(hashlib.sha256(data).digest()[:8], "big")
@@ -186,6 +189,11 @@ class FakeScorer:
         return v / np.linalg.norm(v)
 
     def encode_images(self, images):
+        if self.batches_left is not None:
+            if self.batches_left == 0:
+                raise KeyboardInterrupt("killed")
+            self.batches_left -= 1
+        self.images_encoded += len(images)
         return np.stack([self._vector(np.ascontiguousarray(im).tobytes()) for im in images])
 
     def encode_texts(self, texts, templates=("{}",)):
@@ -305,3 +313,24 @@ def test_unreadable_image_is_named(tmp_path):
     (src / "images" / "c" / "0.png").write_bytes(b"not a png")
     with pytest.raises(SystemExit, match=r"images/c/0\.png: corrupt or unreadable image"):
         _run(["--dataset", "custom", "--source", str(src)], FakeScorer())
+
+
+def test_killed_mining_resumes_from_its_cache(tmp_path):
+    src = tmp_path / "src"
+    for k in range(10):
+        _write_image(src / "images" / f"c{k % 5}" / f"{k:03d}.png", k)
+    argv = ["--dataset", "custom", "--source", str(src), "--batch-size", "3"]
+    _run([*argv, "--out", str(tmp_path / "plain.json")], FakeScorer())
+
+    cache = ["--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "cached.json")]
+    with pytest.raises(KeyboardInterrupt):
+        _run([*argv, *cache], FakeScorer(fail_after_batches=2))
+    resumed = FakeScorer()
+    _run([*argv, *cache], resumed)
+    # Two shards of 3 were finished before the kill; only the other 4 images are encoded again.
+    assert resumed.images_encoded == 4
+    assert (tmp_path / "cached.json").read_text() == (tmp_path / "plain.json").read_text()
+
+    other = FakeScorer(dim=8)
+    with pytest.raises(SystemExit, match="identity|another|scorer"):
+        _run([*argv, *cache], other)

@@ -46,6 +46,7 @@ def run_foci(args: argparse.Namespace, scorer_factory: ScorerFactory | None = No
             batch_size=args.batch_size,
             chunk_size=args.chunk_size,
             progress=not args.quiet,
+            cache_dir=args.cache,
         )
     except (ValueError, building.BuildError) as e:
         raise _fail(e) from None
@@ -78,8 +79,9 @@ def run_oodbench(args: argparse.Namespace, scorer_factory: ScorerFactory | None 
         for name, path in zip(_scorer_names(args.scorer), args.scorer):
             scorer = _load_scorer(scorer_factory, path)
             print(f"scoring {len(pairs.image_ids)} pairs with {name} ({scorer.kind})")
+            cache = pathlib.Path(args.cache) / name if args.cache else None
             scores[name] = oodbench.score_pairs(
-                pairs, scorer, args.templates, args.batch_size, progress=not args.quiet
+                pairs, scorer, args.templates, args.batch_size, not args.quiet, cache
             )
         records = oodbench.split_records(pairs, scores, args.threshold, max_per_split, args.seed)
     except (ValueError, building.BuildError) as e:
@@ -236,6 +238,11 @@ def add_parsers(subparsers) -> None:
 
 def _add_common(p: argparse.ArgumentParser, chunk_size: int | None) -> None:
     p.add_argument("--batch-size", type=int, default=256, help="images encoded per batch")
+    p.add_argument(
+        "--cache",
+        help="directory keeping image features in shards as they are computed, so a killed run "
+        "resumes where it stopped (refused if written by another scorer)",
+    )
     if chunk_size is not None:
         p.add_argument(
             "--chunk-size", type=int, default=chunk_size, help="images per jitted mining step"

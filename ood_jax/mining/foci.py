@@ -303,23 +303,45 @@ def read_image(path: pathlib.Path) -> np.ndarray:
 
 
 def encode_image_files(
-    scorer, paths: Sequence[pathlib.Path], batch_size: int = 256, progress: bool = True
+    scorer,
+    paths: Sequence[pathlib.Path],
+    batch_size: int = 256,
+    progress: bool = True,
+    cache_dir: str | pathlib.Path | None = None,
 ) -> np.ndarray:
-    """float32 [N, D] image features of the files, read and encoded `batch_size` at a time."""
+    """float32 [N, D] image features of the files, read and encoded `batch_size` at a time.
+
+    With `cache_dir`, features are kept there by file path in shards of `batch_size`
+    (`scorers.EmbeddingCache`, keyed to the scorer's identity): a killed run, rerun, encodes only
+    the files it had not finished.
+    """
     from concurrent.futures import ThreadPoolExecutor
 
     from tqdm import tqdm
 
-    batches = [paths[i : i + batch_size] for i in range(0, len(paths), batch_size)]
-    features = []
+    if not paths:
+        raise ValueError("no images to encode")
     # Decoding releases the GIL, so a few threads keep the encoder fed.
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        for batch in tqdm(batches, desc="encoding images", unit="batch", disable=not progress):
-            pixels = list(pool.map(read_image, batch))
-            features.append(np.asarray(scorer.encode_images(pixels), np.float32))
-    if not features:
-        raise ValueError("no images to encode")
-    return np.concatenate(features)
+        bar = tqdm(total=len(paths), desc="encoding images", unit="image", disable=not progress)
+
+        def encode(batch: Sequence[pathlib.Path]) -> np.ndarray:
+            features = np.asarray(scorer.encode_images(list(pool.map(read_image, batch))))
+            bar.update(len(batch))
+            return features.astype(np.float32)
+
+        with bar:
+            if cache_dir is None:
+                return np.concatenate(
+                    [encode(paths[i : i + batch_size]) for i in range(0, len(paths), batch_size)]
+                )
+            from ood_jax.scorers import EmbeddingCache
+
+            identity = getattr(scorer, "identity", None)
+            if identity is None:
+                raise ValueError(f"cache {cache_dir}: the scorer has no identity to key it by")
+            cache = EmbeddingCache(cache_dir, shard_size=batch_size, identity=identity)
+            return cache.compute([str(path) for path in paths], lambda batch: batch, encode)
 
 
 def mine_source(
@@ -329,13 +351,15 @@ def mine_source(
     batch_size: int = 256,
     chunk_size: int = mining.DEFAULT_CHUNK_SIZE,
     progress: bool = True,
+    cache_dir: str | pathlib.Path | None = None,
 ) -> tuple[dict[str, list[dict]], dict[str, float]]:
-    """(options file contents, zero-shot accuracy) for a source, with a scorer's features."""
+    """(options file contents, zero-shot accuracy) for a source, with a scorer's features
+    (image features cached in `cache_dir` if given, see `encode_image_files`)."""
     text_features = np.asarray(
         scorer.encode_texts(list(source.class_names), templates=tuple(templates)), np.float32
     )
     image_features = encode_image_files(
-        scorer, [source.root / image for image in source.images], batch_size, progress
+        scorer, [source.root / image for image in source.images], batch_size, progress, cache_dir
     )
     labels = source.label_indices()
     options = mine_options(image_features, text_features, labels, chunk_size=chunk_size)

@@ -214,8 +214,10 @@ def score_pairs(
     templates: Sequence[str] = DEFAULT_TEMPLATES,
     batch_size: int = 256,
     progress: bool = True,
+    cache_dir: str | pathlib.Path | None = None,
 ) -> np.ndarray:
-    """float32 [P]: S(x, c) of each pair under one scorer (softmax for CLIP, sigmoid for SigLIP)."""
+    """float32 [P]: S(x, c) of each pair under one scorer (softmax for CLIP, sigmoid for SigLIP);
+    image features cached in `cache_dir` if given (see `foci.encode_image_files`)."""
     from ood_jax.mining import foci
 
     category_ids = list(pairs.category_names)
@@ -223,7 +225,7 @@ def score_pairs(
     text_features = np.asarray(scorer.encode_texts(texts, templates=tuple(templates)), np.float32)
     image_ids = sorted(pairs.image_files)
     image_features = foci.encode_image_files(
-        scorer, [pairs.image_files[i] for i in image_ids], batch_size, progress
+        scorer, [pairs.image_files[i] for i in image_ids], batch_size, progress, cache_dir
     )
     row = {image_id: k for k, image_id in enumerate(image_ids)}
     column = {category_id: k for k, category_id in enumerate(category_ids)}
