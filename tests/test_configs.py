@@ -16,6 +16,7 @@ CONFIGS = {
     "configs/counts_detr_vit.py": ("", "gpu8", "runlocal"),
     "configs/synthetic_dino.py": ("", "smoke"),
     "configs/counts_dino_r50.py": ("", "gpu8", "runlocal"),
+    "configs/counts_dino_vit.py": ("", "gpu8", "runlocal"),
 }
 ROOT = pathlib.Path(__file__).parent.parent
 
