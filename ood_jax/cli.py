@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any, Sequence
 
-from ood_jax import config_files
+from ood_jax import config_files, files
 from ood_jax.eval import cli as eval_cli
 from ood_jax.mining import cli as mining_cli
 
@@ -48,7 +48,7 @@ def _coco_eval(args: argparse.Namespace) -> None:
                 )
             },
         }
-        _write_json_atomic(args.json, out)
+        files.write_json_atomic(args.json, out)
 
 
 def _coco_demo(args: argparse.Namespace) -> None:
@@ -123,15 +123,6 @@ def _export(args: argparse.Namespace) -> None:
 
     path = export.export(args.workdir, args.out, step=args.step)
     print(f"exported {args.workdir} -> {path}")
-
-
-def _write_json_atomic(path: str, obj: Any) -> None:
-    # Write beside the target and rename, so a reader never sees half a file.
-    target = pathlib.Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    tmp.replace(target)
 
 
 def build_parser() -> argparse.ArgumentParser:

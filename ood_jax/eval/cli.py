@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ood_jax import stats
+from ood_jax import files, stats
 from ood_jax.eval import benchmarks, clients, runner
 
 
@@ -518,7 +518,7 @@ def _stats_drops(args: argparse.Namespace) -> dict:
         "drops": drops,
     }
     if args.out:
-        runner.write_text_atomic(pathlib.Path(args.out), json.dumps(result, indent=2) + "\n")
+        files.write_atomic(pathlib.Path(args.out), json.dumps(result, indent=2) + "\n")
     lines = [
         f"{m}: {args.metric} {args.reference} - {args.shifted} = {d:.4f}"
         for m, d in zip(models, drops)

@@ -18,12 +18,12 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import math
-import os
 import pathlib
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
+from ood_jax import files
 from ood_jax.eval.bench_common import Benchmark, Item
 from ood_jax.eval.clients import ClientError, Request
 
@@ -41,17 +41,6 @@ class Client(Protocol):
     def identity(self) -> dict: ...
 
     def generate(self, request: Request) -> str: ...
-
-
-def write_text_atomic(path: pathlib.Path, text: str) -> None:
-    """Writes beside the target and renames, so a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,7 +104,7 @@ class PredictionStore:
         self.close()
         ids = list(order) + [i for i in self.records if i not in set(order)]
         text = "".join(json.dumps(self.records[i]) + "\n" for i in ids if i in self.records)
-        write_text_atomic(self.path, text)
+        files.write_atomic(self.path, text)
 
 
 def _check_run_file(directory: pathlib.Path, identity: dict) -> None:
@@ -136,7 +125,7 @@ def _check_run_file(directory: pathlib.Path, identity: dict) -> None:
                 f"{directory} holds predictions of another run ({detail}); use another --output"
             )
     else:
-        write_text_atomic(path, json.dumps(identity, indent=2) + "\n")
+        files.write_atomic(path, json.dumps(identity, indent=2) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,8 +267,8 @@ class _Session:
             **self.benchmark.results(records),
         }
         results = _json_safe(results)
-        write_text_atomic(self.directory / RESULTS_JSON, json.dumps(results, indent=2) + "\n")
-        write_text_atomic(self.directory / RESULTS_MD, self.benchmark.markdown(results))
+        files.write_atomic(self.directory / RESULTS_JSON, json.dumps(results, indent=2) + "\n")
+        files.write_atomic(self.directory / RESULTS_MD, self.benchmark.markdown(results))
         return results
 
     def abort(self) -> None:

@@ -12,6 +12,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from ood_jax import files
+
 ScorerFactory = Callable[[str], Any]
 
 
@@ -51,7 +53,7 @@ def run_foci(args: argparse.Namespace, scorer_factory: ScorerFactory | None = No
     except (ValueError, building.BuildError) as e:
         raise _fail(e) from None
     out = pathlib.Path(args.out) if args.out else source.root / source.options_file
-    foci.write_json_atomic(out, contents)
+    files.write_json_atomic(out, contents)
     print(
         f"{len(source.images)} images, {len(source.class_names)} classes -> {out}\n"
         f"zero-shot accuracy of this scorer: {accuracy['all_classes']:.4f} over all classes, "
@@ -87,7 +89,7 @@ def run_oodbench(args: argparse.Namespace, scorer_factory: ScorerFactory | None 
     except (ValueError, building.BuildError) as e:
         raise _fail(e) from None
     out = pathlib.Path(args.out) if args.out else pathlib.Path(args.source) / "splits.jsonl"
-    oodbench.write_jsonl_atomic(out, records)
+    files.write_jsonl_atomic(out, records)
     labels = oodbench.assign_splits(scores, args.threshold)
     print(f"{len(labels)} pairs scored; threshold {args.threshold}")
     for split in oodbench.SPLITS:

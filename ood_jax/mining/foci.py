@@ -365,12 +365,3 @@ def mine_source(
     options = mine_options(image_features, text_features, labels, chunk_size=chunk_size)
     accuracy = zero_shot_accuracy(image_features, text_features, labels, options, chunk_size)
     return options_file_contents(source, options), accuracy
-
-
-def write_json_atomic(path: str | pathlib.Path, contents) -> None:
-    """Writes JSON beside the target and renames it, so a reader never sees half a file."""
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(contents))
-    os.replace(tmp, path)

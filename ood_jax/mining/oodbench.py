@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
 import pathlib
 from collections.abc import Mapping, Sequence
 
@@ -265,12 +263,3 @@ def split_records(
                 }
             )
     return records
-
-
-def write_jsonl_atomic(path: str | pathlib.Path, records: Sequence[dict]) -> None:
-    """One JSON object per line, written beside the target and renamed into place."""
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-    os.replace(tmp, path)

@@ -58,7 +58,6 @@ import dataclasses
 import hashlib
 import io
 import json
-import os
 import pathlib
 import string
 from collections.abc import Iterable, Sequence
@@ -66,6 +65,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from ood_jax import boxes as box_lib
+from ood_jax import files
 from ood_jax.data import counts
 from ood_jax.eval import prompts
 from ood_jax.metrics import coco
@@ -571,13 +571,6 @@ def read_records(builder, split: str, domains: Sequence[str] | None = None) -> l
     return sorted(records, key=lambda r: (r.split, r.image_id))
 
 
-def _write_atomic(path: pathlib.Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def _png(pixels: np.ndarray) -> bytes:
     from PIL import Image
 
@@ -615,13 +608,13 @@ def write(builder, plan: Plan, out: str | pathlib.Path) -> pathlib.Path:
                 # TFDS's own decoder, so the pixels are the ones any reader of the split sees.
                 pixels = np.asarray(decoder.decode_example(example["image"]))
                 for unit in units:
-                    _write_atomic(out / unit.image_path, _png(render(unit, pixels)))
+                    files.write_atomic(out / unit.image_path, _png(render(unit, pixels)))
     if by_image:
         split, image_id = next(iter(by_image))
         raise ValueError(f"{split}: image {image_id} was not found when drawing")
     lines = "".join(json.dumps(item, ensure_ascii=False) + "\n" for item in plan.items)
     path = out / ITEMS_FILE
-    _write_atomic(path, lines.encode())
+    files.write_atomic(path, lines)
     return path
 
 

@@ -15,8 +15,8 @@ manifest.json records the scorer's identity (checkpoint path, config hash, dtype
 instead of mixing embeddings of two models. Ids are compared as strings. One writer at a time.
 """
 
+import io
 import json
-import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -24,21 +24,11 @@ from typing import Any
 
 import numpy as np
 
+from ood_jax import files
+
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 SHARD_PATTERN = re.compile(r"shard-(\d{6})\.npz")
-
-
-def _atomic_write(path: Path, write: Callable[[Any], None]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _canonical(identity: Mapping[str, Any]) -> dict[str, Any]:
@@ -76,7 +66,7 @@ class EmbeddingCache:
 
     def _write_manifest(self, manifest: dict[str, Any]) -> None:
         text = json.dumps(manifest, indent=2, sort_keys=True).encode()
-        _atomic_write(self.manifest_path, lambda f: f.write(text))
+        files.write_atomic(self.manifest_path, text)
 
     def _open_manifest(self) -> dict[str, Any]:
         path = self.manifest_path
@@ -125,7 +115,9 @@ class EmbeddingCache:
         numbers = [int(SHARD_PATTERN.fullmatch(p.name).group(1)) for p in self.shard_paths()]
         path = self.directory / f"shard-{max(numbers, default=-1) + 1:06d}.npz"
         ids_array = np.asarray(list(ids), dtype=str)
-        _atomic_write(path, lambda f: np.savez(f, ids=ids_array, embeddings=embeddings))
+        buffer = io.BytesIO()
+        np.savez(buffer, ids=ids_array, embeddings=embeddings)
+        files.write_atomic(path, buffer.getvalue())
         return path
 
     def index(self) -> dict[str, tuple[Path, int]]:

@@ -7,7 +7,6 @@ like COUNTS' Table 2, and a PNG bar chart of per-domain AP.
 
 from __future__ import annotations
 
-import json
 import pathlib
 from typing import Any, Callable, Mapping
 
@@ -19,6 +18,7 @@ import tensorflow_datasets as tfds
 from jax.experimental import multihost_utils
 
 from ood_jax import boxes as box_lib
+from ood_jax import files
 from ood_jax.data import pipeline
 from ood_jax.metrics import coco
 
@@ -143,9 +143,9 @@ def results_markdown(results: Mapping[str, Any], model_name: str) -> str:
 def write_results(workdir: str | pathlib.Path, results: Mapping[str, Any], model_name: str) -> None:
     """results.json, results.md and per_domain_ap.png in `workdir`; each written atomically."""
     workdir = pathlib.Path(workdir)
-    _atomic_write(workdir / "results.json", json.dumps(results, indent=2).encode())
-    _atomic_write(workdir / "results.md", results_markdown(results, model_name).encode())
-    _atomic_write(workdir / "per_domain_ap.png", _bar_chart(results))
+    files.write_json_atomic(workdir / "results.json", results)
+    files.write_atomic(workdir / "results.md", results_markdown(results, model_name))
+    files.write_atomic(workdir / "per_domain_ap.png", _bar_chart(results))
 
 
 def _bar_chart(results: Mapping[str, Any]) -> bytes:
@@ -168,9 +168,3 @@ def _bar_chart(results: Mapping[str, Any]) -> bytes:
     fig.savefig(buffer, format="png")
     plt.close(fig)
     return buffer.getvalue()
-
-
-def _atomic_write(path: pathlib.Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)

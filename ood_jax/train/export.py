@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import uuid
 from typing import Any, Sequence
 
 import jax
@@ -29,6 +28,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from flax import serialization
 
+from ood_jax import files
 from ood_jax.data import pipeline
 from ood_jax.models import EXPORT_FORMAT_VERSION
 
@@ -102,23 +102,6 @@ def dataset_class_names(dataset: dict[str, Any]) -> list[str] | None:
         return None
 
 
-def _write_atomically(data: bytes, path: pathlib.Path) -> None:
-    """Readers see the old file or the whole new one; a failure leaves no partial file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    # os.open rather than tempfile: the file gets the permissions the umask gives, not 0600.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def export(
     workdir: str | pathlib.Path,
     out_path: str | pathlib.Path,
@@ -158,5 +141,5 @@ def export(
         "step": step,
         "model_name": config.get("model_name"),
     }
-    _write_atomically(serialization.msgpack_serialize(payload), out_path)
+    files.write_atomic(out_path, serialization.msgpack_serialize(payload))
     return out_path

@@ -24,6 +24,7 @@ import optax
 from flax import serialization
 
 from ood_jax import boxes as box_lib
+from ood_jax import files
 from ood_jax.data import pipeline
 from ood_jax.models import detr
 from ood_jax.train import sharding
@@ -145,8 +146,6 @@ def pretrain_backbone(
     backbone_variables = {"params": params["backbone"]}
     if "batch_stats" in model_state:
         backbone_variables["batch_stats"] = model_state["batch_stats"]["backbone"]
-    out_path = pathlib.Path(out_path)
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    tmp.write_bytes(serialization.msgpack_serialize(jax.device_get(backbone_variables)))
-    tmp.replace(out_path)
-    return out_path
+    return files.write_atomic(
+        out_path, serialization.msgpack_serialize(jax.device_get(backbone_variables))
+    )
