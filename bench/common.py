@@ -5,6 +5,7 @@ Scripts in bench/ run as `python bench/X.py`, so this module is imported as `com
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,3 +41,8 @@ def random_detection_input(seed: int, batch: int, size: int, max_boxes: int, num
     counts = rng.integers(3, 7, batch)
     mask = np.arange(max_boxes)[None, :] < counts[:, None]
     return images, boxes, labels, mask
+
+
+def summary(times: list[float]) -> str:
+    """Median [min-max] seconds."""
+    return f"{statistics.median(times):8.3f} [{min(times):.3f}-{max(times):.3f}]"

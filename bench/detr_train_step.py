@@ -273,10 +273,6 @@ def _native_model(args: argparse.Namespace, dtype):
 # --------------------------------------------------------------------------------------------
 
 
-def _summary(times: list[float]) -> str:
-    return f"{statistics.median(times):8.3f} [{min(times):.3f}-{max(times):.3f}]"
-
-
 def main() -> None:
     args = _parse_args()
     torch_threads = args.torch_threads or os.cpu_count()
@@ -354,10 +350,10 @@ def main() -> None:
     rows = (("train", "train step"), ("predict", "inference"))
     medians = {key: {n: statistics.median(t) for n, t in times[key].items()} for key, _ in rows}
     for key, name in rows:
-        row = f"  {name:12s} {_summary(times[key]['ours']):>24s}"
+        row = f"  {name:12s} {common.summary(times[key]['ours']):>24s}"
         if theirs is not None:
             ratio = medians[key]["torch"] / medians[key]["ours"]
-            row += f" {_summary(times[key]['torch']):>24s} {ratio:10.2f}x"
+            row += f" {common.summary(times[key]['torch']):>24s} {ratio:10.2f}x"
         print(row)
 
     parts = []

@@ -353,10 +353,6 @@ def _op_inputs(args: argparse.Namespace):
 # --------------------------------------------------------------------------------------------
 
 
-def _summary(times: list[float]) -> str:
-    return f"{statistics.median(times):8.3f} [{min(times):.3f}-{max(times):.3f}]"
-
-
 def main() -> None:
     args = _parse_args()
     torch_threads = args.torch_threads or os.cpu_count()
@@ -432,11 +428,11 @@ def main() -> None:
     medians = {key: {n: statistics.median(t) for n, t in times[key].items()} for key, _ in rows}
     parts = []
     for key, name in rows:
-        row = f"  {name:12s} {_summary(times[key]['ours']):>24s}"
+        row = f"  {name:12s} {common.summary(times[key]['ours']):>24s}"
         part = f"{name}: ours {medians[key]['ours']:.3f} s"
         if theirs is not None:
             ratio = medians[key]["torch"] / medians[key]["ours"]
-            row += f" {_summary(times[key]['torch']):>24s} {ratio:10.2f}x"
+            row += f" {common.summary(times[key]['torch']):>24s} {ratio:10.2f}x"
             part += f", torch {medians[key]['torch']:.3f} s, ratio torch/ours {ratio:.2f}"
         print(row)
         parts.append(part)

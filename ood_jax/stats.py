@@ -162,6 +162,18 @@ def _median_pairwise_distance(z: jax.Array, seed: int = 0) -> jax.Array:
     return jnp.where(med > 0, med, 1.0)
 
 
+def _kernel_rows(
+    z: jax.Array, sq: jax.Array, start: jax.Array, block_size: int, gamma: jax.Array
+) -> jax.Array:
+    """RBF kernel of rows [start, start + block_size) of z against all of z [block_size, N],
+    zero where a row meets itself: the unbiased estimators exclude i == j pairs exactly."""
+    zb = jax.lax.dynamic_slice_in_dim(z, start, block_size)
+    rows = start + jnp.arange(block_size)
+    d2 = jnp.maximum(sq[rows, None] + sq[None, :] - 2 * zb @ z.T, 0)
+    kernel = jnp.exp(-gamma * d2)
+    return jnp.where(rows[:, None] == jnp.arange(z.shape[0])[None, :], 0.0, kernel)
+
+
 @functools.partial(jax.jit, static_argnames=("m", "n", "block_size"))
 def _mmd2_columns(
     z: jax.Array, labels: jax.Array, bandwidth: jax.Array, *, m: int, n: int, block_size: int
@@ -180,14 +192,9 @@ def _mmd2_columns(
 
     def block_terms(i: jax.Array) -> jax.Array:
         start = i * block_size
-        zb = jax.lax.dynamic_slice_in_dim(z, start, block_size)
         lb = jax.lax.dynamic_slice_in_dim(labels, start, block_size)
         vb = jax.lax.dynamic_slice_in_dim(valid, start, block_size)
-        d2 = jnp.maximum(sq[start + jnp.arange(block_size), None] + sq[None, :] - 2 * zb @ z.T, 0)
-        kb = jnp.exp(-gamma * d2)
-        # Zero the diagonal exactly: the unbiased estimator excludes i == j pairs.
-        rows = start + jnp.arange(block_size)
-        kb = jnp.where(rows[:, None] == jnp.arange(n_pad)[None, :], 0.0, kb)
+        kb = _kernel_rows(z, sq, start, block_size, gamma)
         rx = kb @ labels  # sum over j in X of k_ij, per labelling
         ry = (kb @ valid)[:, None] - rx  # sum over j in Y
         in_x, in_y = lb, vb[:, None] - lb
@@ -310,13 +317,9 @@ def _weighted_mmd2_columns(
 
     def block_terms(i: jax.Array) -> jax.Array:
         start = i * block_size
-        zb = jax.lax.dynamic_slice_in_dim(z, start, block_size)
         wxb = jax.lax.dynamic_slice_in_dim(wx, start, block_size)
         wyb = jax.lax.dynamic_slice_in_dim(wy, start, block_size)
-        d2 = jnp.maximum(sq[start + jnp.arange(block_size), None] + sq[None, :] - 2 * zb @ z.T, 0)
-        kb = jnp.exp(-gamma * d2)
-        rows = start + jnp.arange(block_size)
-        kb = jnp.where(rows[:, None] == jnp.arange(n_pad)[None, :], 0.0, kb)
+        kb = _kernel_rows(z, sq, start, block_size, gamma)
         # Per row: weighted kernel sums towards X and Y; stacked so the three sums come out at once.
         kx, ky = kb @ wx, kb @ wy
         return jnp.stack(
