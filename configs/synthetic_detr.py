@@ -72,7 +72,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.pretrain = ml_collections.ConfigDict()
     config.pretrain.steps = 0 if smoke else 300
     config.pretrain.lr = 1e-3
-    config.pretrain.batch_size = 24
+    config.pretrain.batch_size = 32
 
     config.optim = ml_collections.ConfigDict()
     config.optim.lr = 2e-4
