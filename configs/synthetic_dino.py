@@ -33,7 +33,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     args.dropout = 0.0
     args.backbone = detr_args.backbone
     args.backbone_norm = detr_args.backbone_norm
-    args.freeze_backbone = detr_args.freeze_backbone
+    # Frozen, as in the DETR demo; in the smoke run too, where tests check that it stays so.
+    args.freeze_backbone = True
+    config.optim.backbone_lr = 0.0
+    config.optim.frozen_pattern = r"backbone/.*"
 
     # Noised copies of the (at most max_boxes) targets: positives and negatives together.
     config.denoising = ml_collections.ConfigDict()
