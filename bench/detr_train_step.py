@@ -17,15 +17,16 @@ DETR-R50 with 100 queries and frozen BatchNorm, as in the paper. Timed:
 
 The weights are the same: the torch model is saved with `save_pretrained` and converted with
 `ood_jax.models.convert.detr_from_hf`, and the eval-mode outputs of both are compared once.
-transformers freezes the stem and layer1 of a timm ResNet (DETR's recipe); our trainer trains the
-whole backbone, so by default the benchmark unfreezes them in torch to time the same work
-(`--torch-freeze-stem` keeps transformers' default). Warm-up runs are excluded; our compile time
+Both keep the stem and the first stage fixed, DETR's recipe: transformers freezes them
+(`requires_grad_(False)`), ours stops their gradient (`backbone_frozen_stages=1`) and the
+optimizer leaves them alone (`frozen_pattern`); `--train-stem` trains the whole backbone on both
+sides instead. Warm-up runs are excluded; our compile time
 is reported separately; each figure is the median of `--steps` timed runs, ours and torch
 alternating so that a change in the machine's load weighs on both.
 
     python bench/detr_train_step.py [--steps 5] [--warmup 1] [--size 320] [--batch 2]
                                     [--dtype float32|bfloat16] [--no-torch] [--torch-threads T]
-                                    [--torch-freeze-stem]
+                                    [--train-stem]
 
 `--no-torch` times only ours and never imports torch or transformers (for accelerators; the
 weights are then our own random init). The last line sums up the ratios.
@@ -69,9 +70,9 @@ def _parse_args() -> argparse.Namespace:
         "threads than cores can be much faster, as one descheduled thread stalls the others",
     )
     parser.add_argument(
-        "--torch-freeze-stem",
+        "--train-stem",
         action="store_true",
-        help="keep transformers' frozen stem and layer1 (less backward work than ours)",
+        help="train the stem and the first stage too, on both sides (DETR keeps them fixed)",
     )
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.size < 64:
@@ -81,7 +82,7 @@ def _parse_args() -> argparse.Namespace:
     return args
 
 
-def _optim_config():
+def _optim_config(train_stem: bool):
     import ml_collections
 
     # Constant rates: one decay far beyond the run, no warm-up.
@@ -90,6 +91,7 @@ def _optim_config():
             "lr": LR,
             "backbone_lr": BACKBONE_LR,
             "backbone_pattern": r"backbone/.*",
+            "frozen_pattern": "" if train_stem else r"backbone/(stem_.*|stage1_.*)",
             "weight_decay": WEIGHT_DECAY,
             "clip_norm": CLIP_NORM,
             "b1": 0.9,
@@ -120,7 +122,7 @@ def _torch_model(args: argparse.Namespace):
         auxiliary_loss=True,
     )
     model = transformers.DetrForObjectDetection(config)
-    if not args.torch_freeze_stem:
+    if args.train_stem:
         for p in model.parameters():
             p.requires_grad_(True)
     return model
@@ -140,8 +142,9 @@ def _torch_runner(model, inputs, args: argparse.Namespace) -> dict[str, Any]:
         }
         for i in range(args.batch)
     ]
-    backbone = [p for n, p in model.named_parameters() if n.startswith("model.backbone.")]
-    rest = [p for n, p in model.named_parameters() if not n.startswith("model.backbone.")]
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    backbone = [p for n, p in trained if n.startswith("model.backbone.")]
+    rest = [p for n, p in trained if not n.startswith("model.backbone.")]
     optimizer = torch.optim.AdamW(
         [{"params": backbone, "lr": BACKBONE_LR}, {"params": rest, "lr": LR}],
         lr=LR,
@@ -199,7 +202,9 @@ def _our_runner(module, variables, inputs, args: argparse.Namespace) -> dict[str
         "box_mask": jnp.asarray(mask),
     }
     params = variables["params"]
-    optimizer, _ = optim.make_optimizer(_optim_config(), params, steps_per_epoch=1000.0)
+    optimizer, _ = optim.make_optimizer(
+        _optim_config(args.train_stem), params, steps_per_epoch=1000.0
+    )
     state = train.TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
@@ -260,6 +265,7 @@ def _native_model(args: argparse.Namespace, dtype):
         num_queries=NUM_QUERIES,
         backbone="resnet50",
         backbone_norm="frozen",
+        backbone_frozen_stages=0 if args.train_stem else 1,
         norm_between_decoder_layers=True,  # as detr_from_hf builds transformers' aux-loss model
         dtype=dtype,
     )
@@ -304,6 +310,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             model.save_pretrained(tmp)
             module, variables = convert.detr_from_hf(tmp, dtype=dtype)
+        module = module.clone(backbone_frozen_stages=0 if args.train_stem else 1)
         runners["ours"] = _our_runner(module, variables, inputs, args)
         runners["torch"] = _torch_runner(model, inputs, args)
     # Inference first: the train steps change the weights.
@@ -337,11 +344,11 @@ def main() -> None:
             k: float(np.abs(ours["detections"][k] - theirs["detections"][k]).max())
             for k in ("scores", "boxes")
         }
-        frozen = "frozen" if args.torch_freeze_stem else "trained (as ours)"
+        frozen = "trained" if args.train_stem else "frozen"
         print(
             f"  same weights: eval max |ours - torch| scores {diff['scores']:.1e}, boxes "
             f"{diff['boxes']:.1e}; first-step loss ours {ours['losses'][0]:.4f}, torch "
-            f"{theirs['losses'][0]:.4f} (dropout differs); torch stem+layer1 {frozen}"
+            f"{theirs['losses'][0]:.4f} (dropout differs); stem and first stage {frozen} on both"
         )
     header = f"  {'':12s} {'ours (s)':>24s}"
     if theirs is not None:

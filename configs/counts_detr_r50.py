@@ -67,6 +67,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.model.args.dropout = 0.1
     config.model.args.backbone = "resnet50"
     config.model.args.backbone_norm = "frozen"
+    # DETR keeps the ImageNet stem and first stage fixed: no gradient is computed for them,
+    # and the optimizer leaves them alone (frozen_pattern below).
+    config.model.args.backbone_frozen_stages = 1
     config.model.args.dilation = False
 
     config.optim = ml_collections.ConfigDict()

@@ -14,6 +14,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.model_name = "DETR-ViT-S/16"
     config.model.args.backbone = "S/16"
     # A plain ViT has no BatchNorm and no stem stages to freeze.
+    config.model.args.backbone_frozen_stages = 0
     config.optim.frozen_pattern = ""
     # Patch-16 tokens at 1333 px are too many for global attention on most GPUs.
     if arg != "runlocal":

@@ -36,6 +36,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     args.num_feature_levels = 4
     args.backbone = "resnet50"
     args.backbone_norm = "frozen"
+    args.backbone_frozen_stages = 1  # with counts_detr_r50.py's frozen_pattern
     # Deformable sampling dominates activation memory at 1333 px: recompute it in the backward.
     args.remat = not runlocal
 

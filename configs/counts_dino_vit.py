@@ -17,6 +17,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     vit = config_files.load(config_files.sibling(__file__, "counts_detr_vit.py"), arg)
     config.model_name = "DINO-4scale-ViT-S/16"
     config.model.args.backbone = vit.model.args.backbone
+    config.model.args.backbone_frozen_stages = 0
     config.optim.frozen_pattern = vit.optim.frozen_pattern
     config.input = vit.input
     return config

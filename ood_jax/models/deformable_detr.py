@@ -403,7 +403,12 @@ def encode_images(
     has none). Returns the encoder memory [B, S, D] and the flattened levels.
     """
     backbone = detr.build_backbone(
-        model.backbone, model.backbone_norm, model.dilation, model.dtype, name="backbone"
+        model.backbone,
+        model.backbone_norm,
+        model.dilation,
+        model.dtype,
+        name="backbone",
+        frozen_stages=model.backbone_frozen_stages,
     )
     maps = backbone_feature_maps(
         backbone, images, model.backbone_stages, train, model.dtype, model.freeze_backbone
@@ -439,7 +444,8 @@ class DeformableDetr(nn.Module):
       shared_class_head, shared_box_head: one head for every decoder layer instead of one per
         layer; None ties them as transformers does (class heads unless `two_stage`, box heads
         unless `with_box_refine`). The two-stage encoder head is always its own.
-      backbone, backbone_norm, freeze_backbone, dilation: as in `detr.DETR`.
+      backbone, backbone_norm, freeze_backbone, backbone_frozen_stages, dilation: as in
+        `detr.DETR`.
       backbone_stages: the ResNet stages the neck projects (C3-C5 by default).
       remat: recompute deformable sampling in the backward pass.
       dtype: compute dtype; parameters stay float32.
@@ -464,6 +470,7 @@ class DeformableDetr(nn.Module):
     backbone: str | resnet.ResNet | vit.ViT = "resnet50"
     backbone_norm: resnet.Norm = "frozen"
     freeze_backbone: bool = False
+    backbone_frozen_stages: int = 0
     dilation: bool = False
     backbone_stages: tuple[str, ...] = ("stage2", "stage3", "stage4")
     remat: bool = False

@@ -274,13 +274,23 @@ def build_backbone(
     dilation: bool = False,
     dtype: Any = jnp.float32,
     name: str | None = None,
+    frozen_stages: int = 0,
 ) -> nn.Module:
     """A ResNet (`resnet.ARCHS`) or ViT (`vit.VARIANTS`) by name; a module is used as it is."""
     if isinstance(backbone, (resnet.ResNet, vit.ViT)):
         return backbone
     if backbone in vit.VARIANTS:
+        if frozen_stages:
+            raise ValueError(f"frozen_stages applies to ResNets, not to {backbone!r}")
         return vit.vit(backbone, dtype=dtype, name=name)
-    return resnet.build(backbone, norm=norm, dilation=dilation, dtype=dtype, name=name)
+    return resnet.build(
+        backbone,
+        norm=norm,
+        dilation=dilation,
+        frozen_stages=frozen_stages,
+        dtype=dtype,
+        name=name,
+    )
 
 
 class DETR(nn.Module):
@@ -299,6 +309,8 @@ class DETR(nn.Module):
       freeze_backbone: the backbone runs in inference mode behind a stop_gradient, so no
         gradient flows into it (the optimizer should also leave its parameters alone). Training
         then costs about a third as much on CPU, which is what lets a small DETR learn in minutes.
+      backbone_frozen_stages: a ResNet's stem and first this many stages get no gradient
+        (DETR's recipe keeps the stem and the first stage fixed: 1); see `resnet.ResNet`.
       dilation: DC5 (last backbone stage dilated, features at stride 16).
       num_query_groups: Group DETR (Chen et al., 2023): in training, this many independent
         copies of the queries, each matched one-to-one to the targets and attending only to its
@@ -319,6 +331,7 @@ class DETR(nn.Module):
     backbone: str | resnet.ResNet | vit.ViT = "resnet50"
     backbone_norm: resnet.Norm = "frozen"
     freeze_backbone: bool = False
+    backbone_frozen_stages: int = 0
     dilation: bool = False
     num_query_groups: int = 1
     norm_between_decoder_layers: bool = False
@@ -329,7 +342,12 @@ class DETR(nn.Module):
         self, images: jax.Array, pixel_mask: jax.Array | None = None, train: bool = False
     ) -> dict[str, Any]:
         backbone = build_backbone(
-            self.backbone, self.backbone_norm, self.dilation, self.dtype, name="backbone"
+            self.backbone,
+            self.backbone_norm,
+            self.dilation,
+            self.dtype,
+            name="backbone",
+            frozen_stages=self.backbone_frozen_stages,
         )
         features = backbone(images, train and not self.freeze_backbone)
         features = features["features"] if "features" in features else features["stage4"]

@@ -83,8 +83,9 @@ class DINO(nn.Module):
       shared_decoder_heads: one class head and one box head for all decoder layers, as DINO's
         released models; the encoder's proposal heads are always their own.
       position_temperature: of the image sine embedding (DINO uses 20).
-      backbone, backbone_norm, freeze_backbone, dilation, backbone_stages: as in
-        `DeformableDetr`; a ViT name gives the simple feature pyramid of its stride-16 map.
+      backbone, backbone_norm, freeze_backbone, backbone_frozen_stages, dilation,
+        backbone_stages: as in `DeformableDetr`; a ViT name gives the simple feature pyramid
+        of its stride-16 map.
       remat: recompute deformable sampling in the backward pass.
       dtype: compute dtype; parameters stay float32.
     """
@@ -106,6 +107,7 @@ class DINO(nn.Module):
     backbone: str | resnet.ResNet | vit.ViT = "resnet50"
     backbone_norm: resnet.Norm = "frozen"
     freeze_backbone: bool = False
+    backbone_frozen_stages: int = 0
     dilation: bool = False
     backbone_stages: tuple[str, ...] = ("stage2", "stage3", "stage4")
     remat: bool = False

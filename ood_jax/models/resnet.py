@@ -16,6 +16,13 @@ exists where the channel count or the stride changes, as in torchvision, timm an
 
 `dilation=True` replaces the last stage's stride with dilation 2 (DETR-DC5); its first block
 keeps dilation 1 in the convolution that used to stride, as torchvision and timm do.
+
+`frozen_stages=N` puts the stem and the first N stages behind a stop_gradient: DETR keeps the
+ImageNet stem and first stage fixed, and the backward pass then skips them entirely (the
+optimizer should leave their parameters alone too, see `optim.make_optimizer`'s
+`frozen_pattern`).
+
+Every convolution uses `conv.conv_general_dilated`, whose kernel gradient is fast on CPU.
 """
 
 from typing import Any, Callable, ClassVar, Literal
@@ -23,6 +30,8 @@ from typing import Any, Callable, ClassVar, Literal
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from ood_jax.models import conv
 
 Norm = Literal["batch", "frozen"]
 
@@ -91,6 +100,7 @@ def _conv(
         use_bias=False,
         dtype=dtype,
         kernel_init=_conv_init,
+        conv_general_dilated=conv.conv_general_dilated,
         name=name,
     )
 
@@ -164,6 +174,7 @@ class ResNet(nn.Module):
       groups, width_per_group: ResNeXt cardinality and width (64 and 1 for plain ResNets).
       norm: "batch" or "frozen".
       dilation: dilate the last stage instead of striding (DC5).
+      frozen_stages: no gradient flows into the stem and the first this many stages.
       dtype: compute dtype; parameters stay float32.
     """
 
@@ -175,6 +186,7 @@ class ResNet(nn.Module):
     width_per_group: int = 64
     norm: Norm = "batch"
     dilation: bool = False
+    frozen_stages: int = 0
     dtype: Any = jnp.float32
 
     @nn.compact
@@ -183,6 +195,10 @@ class ResNet(nn.Module):
             raise ValueError(f"norm must be 'batch' or 'frozen', got {self.norm!r}")
         if self.block not in BLOCKS:
             raise ValueError(f"block must be one of {sorted(BLOCKS)}, got {self.block!r}")
+        if not 0 <= self.frozen_stages <= len(self.stage_sizes):
+            raise ValueError(
+                f"frozen_stages must be in [0, {len(self.stage_sizes)}], got {self.frozen_stages}"
+            )
         if len(self.planes) != len(self.stage_sizes):
             raise ValueError(f"planes {self.planes} and stage_sizes {self.stage_sizes} differ")
         block_cls = BLOCKS[self.block]
@@ -196,10 +212,13 @@ class ResNet(nn.Module):
             use_bias=False,
             dtype=self.dtype,
             kernel_init=_conv_init,
+            conv_general_dilated=conv.conv_general_dilated,
             name="stem_conv",
         )(x)
         x = nn.relu(_norm(self.norm, train, self.dtype, "stem_norm")(x))
         x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+        if self.frozen_stages > 0:
+            x = jax.lax.stop_gradient(x)
 
         features = {}
         dilation = 1
@@ -221,6 +240,8 @@ class ResNet(nn.Module):
                     dtype=self.dtype,
                     name=f"stage{i + 1}_block{j}",
                 )(x, train)
+            if i + 1 <= self.frozen_stages:
+                x = jax.lax.stop_gradient(x)
             features[f"stage{i + 1}"] = x
         return features
 
