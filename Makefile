@@ -4,14 +4,19 @@ BIN := $(VENV)/bin
 
 .PHONY: demo test bench clean
 
-# The stamp records that the venv holds this pyproject's dependencies; editing pyproject reinstalls.
-$(VENV)/.installed: pyproject.toml
+# Stamps record what the venv holds for this pyproject; editing pyproject reinstalls. The demo
+# needs the package alone; tests add the parity references (torch, timm, pycocotools, ...).
+$(VENV)/.runtime: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.runtime
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-demo: $(VENV)/.installed
+demo: $(VENV)/.runtime
 	$(BIN)/ood-jax demo
 
 test: $(VENV)/.installed

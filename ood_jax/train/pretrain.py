@@ -78,10 +78,12 @@ def pretrain_backbone(
 ) -> pathlib.Path:
     """Trains config.model's backbone for `config.pretrain.steps` and writes its variables."""
     args = config.model.args
+    # Pretraining may leave out the detector's DC5 dilation, as ImageNet weights are made: the
+    # same weights then run dilated in the detector, and pretraining costs less.
     backbone = detr.build_backbone(
         args.backbone,
         args.get("backbone_norm", "batch"),
-        args.get("dilation", False),
+        config.pretrain.get("dilation", args.get("dilation", False)),
         name="backbone",
     )
     model = DenseClassifier(backbone, args.num_classes)
