@@ -71,7 +71,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # No ImageNet weights for synthetic classes: the backbone first learns, on the training
     # domains only, which classes are where (dense multi-label classification, see pretrain.py).
     config.pretrain = ml_collections.ConfigDict()
-    config.pretrain.steps = 0 if smoke else 260
+    config.pretrain.steps = 0 if smoke else 300
     config.pretrain.lr = 1e-3
     config.pretrain.batch_size = 32
     config.pretrain.dilation = False  # pretrained undilated, run with DC5 (see pretrain.py)
@@ -85,7 +85,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.optim.clip_norm = 0.1
     config.optim.b1 = 0.9
     config.optim.b2 = 0.999
-    config.optim.decay_epochs = () if smoke else (14.5,)
+    config.optim.decay_epochs = () if smoke else (16.0,)
     config.optim.decay_factor = 0.1
     config.optim.warmup_steps = 10 if smoke else 50
 
@@ -93,7 +93,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.loss.eos_coef = 0.1
 
     # The demo fits `make demo` into 20 minutes on 2 CPU cores.
-    config.total_steps = 30 if smoke else 2700
+    config.total_steps = 30 if smoke else 3000
     config.log_every = 10 if smoke else 50
     config.eval_every = 0
     config.checkpoint_every = 10 if smoke else 1000
