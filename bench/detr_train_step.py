@@ -20,9 +20,9 @@ The weights are the same: the torch model is saved with `save_pretrained` and co
 Both keep the stem and the first stage fixed, DETR's recipe: transformers freezes them
 (`requires_grad_(False)`), ours stops their gradient (`backbone_frozen_stages=1`) and the
 optimizer leaves them alone (`frozen_pattern`); `--train-stem` trains the whole backbone on both
-sides instead. Warm-up runs are excluded; our compile time
-is reported separately; each figure is the median of `--steps` timed runs, ours and torch
-alternating so that a change in the machine's load weighs on both.
+sides instead. Warm-up runs are excluded; our compile time is reported separately; each figure
+is the median of `--steps` timed runs, ours and torch alternating so that a change in the
+machine's load weighs on both.
 
     python bench/detr_train_step.py [--steps 5] [--warmup 1] [--size 320] [--batch 2]
                                     [--dtype float32|bfloat16] [--no-torch] [--torch-threads T]

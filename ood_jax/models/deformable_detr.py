@@ -402,14 +402,7 @@ def encode_images(
     "encoder_layers_{i}". `input_dropout` applies to the encoder's input (Deformable DETR's; DINO
     has none). Returns the encoder memory [B, S, D] and the flattened levels.
     """
-    backbone = detr.build_backbone(
-        model.backbone,
-        model.backbone_norm,
-        model.dilation,
-        model.dtype,
-        name="backbone",
-        frozen_stages=model.backbone_frozen_stages,
-    )
+    backbone = detr.detector_backbone(model)
     maps = backbone_feature_maps(
         backbone, images, model.backbone_stages, train, model.dtype, model.freeze_backbone
     )

@@ -293,6 +293,19 @@ def build_backbone(
     )
 
 
+def detector_backbone(model: nn.Module) -> nn.Module:
+    """The backbone of a detector (DETR, DeformableDetr, DINO) from its fields, named "backbone";
+    called inside the detector's compact `__call__`."""
+    return build_backbone(
+        model.backbone,
+        model.backbone_norm,
+        model.dilation,
+        model.dtype,
+        name="backbone",
+        frozen_stages=model.backbone_frozen_stages,
+    )
+
+
 class DETR(nn.Module):
     """DETR detector; see the module docstring.
 
@@ -341,14 +354,7 @@ class DETR(nn.Module):
     def __call__(
         self, images: jax.Array, pixel_mask: jax.Array | None = None, train: bool = False
     ) -> dict[str, Any]:
-        backbone = build_backbone(
-            self.backbone,
-            self.backbone_norm,
-            self.dilation,
-            self.dtype,
-            name="backbone",
-            frozen_stages=self.backbone_frozen_stages,
-        )
+        backbone = detector_backbone(self)
         features = backbone(images, train and not self.freeze_backbone)
         features = features["features"] if "features" in features else features["stage4"]
         if self.freeze_backbone:
