@@ -46,3 +46,37 @@ def random_detection_input(seed: int, batch: int, size: int, max_boxes: int, num
 def summary(times: list[float]) -> str:
     """Median [min-max] seconds."""
     return f"{statistics.median(times):8.3f} [{min(times):.3f}-{max(times):.3f}]"
+
+
+def torch_detection_batch(inputs):
+    """`random_detection_input`'s arrays as transformers' detectors take them: pixel values
+    [B, 3, S, S], an all-ones pixel mask, and one {"class_labels", "boxes"} dict per image."""
+    import torch
+
+    images, boxes, labels, mask = inputs
+    pixel_values = torch.from_numpy(images).permute(0, 3, 1, 2).contiguous()
+    pixel_mask = torch.ones(images.shape[:3], dtype=torch.long)
+    targets = [
+        {
+            "class_labels": torch.from_numpy(labels[i][mask[i]]).long(),
+            "boxes": torch.from_numpy(boxes[i][mask[i]]),
+        }
+        for i in range(len(images))
+    ]
+    return pixel_values, pixel_mask, targets
+
+
+def torch_adamw(model, lr: float, backbone_lr: float, weight_decay: float):
+    """(AdamW over the parameters that require grad, the backbone's at `backbone_lr`, those
+    parameters): DETR's two parameter groups."""
+    import torch
+
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    backbone = [p for n, p in trainable if n.startswith("model.backbone.")]
+    rest = [p for n, p in trainable if not n.startswith("model.backbone.")]
+    optimizer = torch.optim.AdamW(
+        [{"params": backbone, "lr": backbone_lr}, {"params": rest, "lr": lr}],
+        lr=lr,
+        weight_decay=weight_decay,
+    )
+    return optimizer, [p for _, p in trainable]

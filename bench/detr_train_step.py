@@ -132,24 +132,8 @@ def _torch_runner(model, inputs, args: argparse.Namespace) -> dict[str, Any]:
     """{"predict", "train"}: blocking callables; "detections" of the untrained weights."""
     import torch
 
-    images, boxes, labels, mask = inputs
-    pixel_values = torch.from_numpy(images).permute(0, 3, 1, 2).contiguous()
-    pixel_mask = torch.ones(args.batch, args.size, args.size, dtype=torch.long)
-    targets = [
-        {
-            "class_labels": torch.from_numpy(labels[i][mask[i]]).long(),
-            "boxes": torch.from_numpy(boxes[i][mask[i]]),
-        }
-        for i in range(args.batch)
-    ]
-    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    backbone = [p for n, p in trained if n.startswith("model.backbone.")]
-    rest = [p for n, p in trained if not n.startswith("model.backbone.")]
-    optimizer = torch.optim.AdamW(
-        [{"params": backbone, "lr": BACKBONE_LR}, {"params": rest, "lr": LR}],
-        lr=LR,
-        weight_decay=WEIGHT_DECAY,
-    )
+    pixel_values, pixel_mask, targets = common.torch_detection_batch(inputs)
+    optimizer, trainable = common.torch_adamw(model, LR, BACKBONE_LR, WEIGHT_DECAY)
 
     def predict():
         model.eval()
@@ -167,7 +151,7 @@ def _torch_runner(model, inputs, args: argparse.Namespace) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         loss = model(pixel_values=pixel_values, pixel_mask=pixel_mask, labels=targets).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
+        torch.nn.utils.clip_grad_norm_(trainable, CLIP_NORM)
         optimizer.step()
         return loss.detach()
 

@@ -129,24 +129,8 @@ def _torch_runner(args: argparse.Namespace, inputs, use_loss: bool) -> dict[str,
         auxiliary_loss=True,
     )
     model = transformers.DeformableDetrForObjectDetection(config)
-    images, boxes, labels, mask = inputs
-    pixel_values = torch.from_numpy(images).permute(0, 3, 1, 2).contiguous()
-    pixel_mask = torch.ones(args.batch, args.size, args.size, dtype=torch.long)
-    targets = [
-        {
-            "class_labels": torch.from_numpy(labels[i][mask[i]]).long(),
-            "boxes": torch.from_numpy(boxes[i][mask[i]]),
-        }
-        for i in range(args.batch)
-    ]
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    backbone = [p for n, p in trainable if n.startswith("model.backbone.")]
-    rest = [p for n, p in trainable if not n.startswith("model.backbone.")]
-    optimizer = torch.optim.AdamW(
-        [{"params": backbone, "lr": BACKBONE_LR}, {"params": rest, "lr": LR}],
-        lr=LR,
-        weight_decay=WEIGHT_DECAY,
-    )
+    pixel_values, pixel_mask, targets = common.torch_detection_batch(inputs)
+    optimizer, trainable = common.torch_adamw(model, LR, BACKBONE_LR, WEIGHT_DECAY)
 
     def predict():
         model.eval()
@@ -165,7 +149,7 @@ def _torch_runner(args: argparse.Namespace, inputs, use_loss: bool) -> dict[str,
             out = model(pixel_values=pixel_values, pixel_mask=pixel_mask)
             loss = out.logits.sum() + out.pred_boxes.sum()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for _, p in trainable], CLIP_NORM)
+        torch.nn.utils.clip_grad_norm_(trainable, CLIP_NORM)
         optimizer.step()
         return float(loss.detach())
 
