@@ -24,6 +24,7 @@ def _value_and_grads(fn, x, w, probe):
     [
         (1, 1, 1, ((0, 0), (0, 0)), (9, 7)),
         (1, 2, 1, ((0, 0), (0, 0)), (9, 8)),
+        (1, 3, 1, ((1, 0), (0, 2)), (10, 8)),
         (3, 1, 1, ((1, 1), (1, 1)), (8, 8)),
         (3, 2, 1, ((1, 1), (1, 1)), (9, 11)),
         (3, 1, 2, ((2, 2), (2, 2)), (10, 9)),
@@ -55,11 +56,12 @@ def test_value_and_gradients_match_lax(kernel, stride, dilation, padding, size):
     np.testing.assert_allclose(gw, gw_ref, rtol=1e-5, atol=1e-4)
 
 
-def test_bfloat16_kernel_gradient_keeps_the_dtype():
-    rng = np.random.default_rng(0)
+@pytest.mark.parametrize("kernel", [1, 3])
+def test_bfloat16_gradients_keep_the_dtype(kernel):
+    rng = np.random.default_rng(kernel)
     x = jnp.asarray(rng.standard_normal((2, 8, 8, 4)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((3, 3, 4, 8)), jnp.bfloat16)
-    pad = ((1, 1), (1, 1))
+    w = jnp.asarray(rng.standard_normal((kernel, kernel, 4, 8)), jnp.bfloat16)
+    pad = ((kernel // 2, kernel // 2),) * 2
     probe = jnp.ones((2, 8, 8, 8), jnp.float32)
     _, (gx, gw) = _value_and_grads(
         lambda x, w: conv.conv_general_dilated(x, w, (1, 1), pad, dimension_numbers=LAYOUT),
@@ -67,7 +69,7 @@ def test_bfloat16_kernel_gradient_keeps_the_dtype():
         w,
         probe,
     )
-    _, (_, gw_ref) = _value_and_grads(
+    _, (gx_ref, gw_ref) = _value_and_grads(
         lambda x, w: lax.conv_general_dilated(
             x.astype(jnp.float32), w.astype(jnp.float32), (1, 1), pad, dimension_numbers=LAYOUT
         ),
@@ -76,6 +78,7 @@ def test_bfloat16_kernel_gradient_keeps_the_dtype():
         probe,
     )
     assert gx.dtype == gw.dtype == jnp.bfloat16
+    np.testing.assert_allclose(gx.astype(np.float32), gx_ref, rtol=2e-2, atol=0.1)
     np.testing.assert_allclose(gw.astype(np.float32), gw_ref, rtol=2e-2, atol=0.5)
 
 

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ood_jax.models import detr, resnet, vit
+from ood_jax.models import conv, detr, resnet, vit
 from ood_jax.models.deformable_attention import MultiScaleDeformableAttention, SpatialShapes
 
 LN_EPS = 1e-5
@@ -244,6 +244,7 @@ class _Projection(nn.Module):
             padding=((pad, pad), (pad, pad)),
             dtype=self.dtype,
             kernel_init=_xavier,
+            conv_general_dilated=conv.conv_general_dilated,
             name="conv",
         )(x)
         return nn.GroupNorm(

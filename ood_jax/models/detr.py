@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ood_jax.models import resnet, vit
+from ood_jax.models import conv, resnet, vit
 
 LN_EPS = 1e-5
 
@@ -368,7 +368,13 @@ class DETR(nn.Module):
         pos = pos.reshape(batch, height * width, self.hidden_dim)
         mask = mask.reshape(batch, height * width)
 
-        src = nn.Conv(self.hidden_dim, (1, 1), dtype=self.dtype, name="input_projection")(features)
+        src = nn.Conv(
+            self.hidden_dim,
+            (1, 1),
+            dtype=self.dtype,
+            conv_general_dilated=conv.conv_general_dilated,
+            name="input_projection",
+        )(features)
         src = src.reshape(batch, height * width, self.hidden_dim)
         memory = Encoder(
             self.num_encoder_layers,
