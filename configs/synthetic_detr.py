@@ -85,7 +85,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.optim.clip_norm = 0.1
     config.optim.b1 = 0.9
     config.optim.b2 = 0.999
-    config.optim.decay_epochs = () if smoke else (16.0,)
+    config.optim.decay_epochs = () if smoke else (20.0,)  # 160 steps per epoch
     config.optim.decay_factor = 0.1
     config.optim.warmup_steps = 10 if smoke else 50
 
@@ -93,7 +93,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.loss.eos_coef = 0.1
 
     # The demo fits `make demo` into 20 minutes on 2 CPU cores.
-    config.total_steps = 30 if smoke else 3000
+    config.total_steps = 30 if smoke else 3800
     config.log_every = 10 if smoke else 50
     config.eval_every = 0
     config.checkpoint_every = 10 if smoke else 1000
