@@ -10,7 +10,8 @@ copies it transposed. Here the backward pass takes these products on CPU and lea
 other platform (cuDNN, TPU) to XLA's own rules; the forward pass is XLA's on all platforms.
 
 Only 2-D NHWC/HWIO convolutions without input dilation or feature groups take this path;
-everything else goes to `lax.conv_general_dilated` unchanged."""
+everything else goes to `lax.conv_general_dilated` unchanged.
+"""
 
 from __future__ import annotations
 
