@@ -49,7 +49,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.loss.focal_alpha = 0.25
     config.loss.focal_gamma = 2.0
 
-    # The same CPU budget as synthetic_detr.py's 3000 steps: a DINO step costs about 2.7 times a
+    # The CPU budget of 3000 synthetic_detr.py steps: a DINO step costs about 2.7 times a
     # DETR step here (bench/dino_step.py times the step itself).
     if not smoke:
         config.total_steps = 1100

@@ -22,7 +22,7 @@ ImageNet stem and first stage fixed, and the backward pass then skips them entir
 optimizer should leave their parameters alone too, see `optim.make_optimizer`'s
 `frozen_pattern`).
 
-Every convolution uses `conv.conv_general_dilated`, whose kernel gradient is fast on CPU.
+Every convolution uses `conv.conv_general_dilated`, whose gradients are fast on CPU.
 """
 
 from typing import Any, Callable, ClassVar, Literal
