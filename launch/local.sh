@@ -76,8 +76,9 @@ fi
 # page faults and 0.1 s per DETR-R50 step, 1.5M and 1.5 s per DINO step. jemalloc, told never to
 # purge, keeps those pages mapped (libjemalloc2 on Debian/Ubuntu).
 if [[ ${OOD_JAX_MALLOC:-jemalloc} == jemalloc ]]; then
-    # awk reads to the end: leaving early would fail the pipeline (SIGPIPE under pipefail).
-    jemalloc=$(ldconfig -p 2>/dev/null | awk '/libjemalloc\.so\.2 / && !found {found = $NF} END {print found}')
+    # awk reads to the end (leaving early would fail the pipeline with SIGPIPE under pipefail);
+    # no ldconfig on PATH means no jemalloc, not an error.
+    jemalloc=$(ldconfig -p 2>/dev/null | awk '/libjemalloc\.so\.2 / && !found {found = $NF} END {print found}' || true)
     if [[ -n $jemalloc ]]; then
         export LD_PRELOAD=$jemalloc${LD_PRELOAD:+:$LD_PRELOAD}
         export MALLOC_CONF=${MALLOC_CONF:-dirty_decay_ms:-1,muzzy_decay_ms:-1}
