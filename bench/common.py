@@ -67,8 +67,8 @@ def torch_detection_batch(inputs):
 
 
 def torch_adamw(model, lr: float, backbone_lr: float, weight_decay: float):
-    """(AdamW over the parameters that require grad, the backbone's at `backbone_lr`, those
-    parameters): DETR's two parameter groups."""
+    """AdamW in DETR's two parameter groups (the backbone at `backbone_lr`) over the parameters
+    that require grad, and those parameters (for gradient clipping)."""
     import torch
 
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

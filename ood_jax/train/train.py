@@ -333,8 +333,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             results = evaluate_all(config, env, state)
             writer.write_scalars(step, {"eval/iid_AP": results["iid"]["AP"]})
     ckpt.wait()
-    # Released now: left alive, the input pipeline keeps its threads busy filling buffers
-    # through the evaluation, and tearing it down afterwards stalled the run's end by 10-50 s.
+    # Released before the final evaluation: torn down at function exit instead, the input
+    # pipeline stalled the end of the run (12 s on a 20-step demo run, 30-50 s on full ones).
     del batches
 
     # ----------------------------------------------------------------------------------------
