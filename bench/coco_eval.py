@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark: COCO bbox evaluation, from Python dicts to the 12 summary numbers.
 
-Builds a val2017-sized random case (``ood_jax.metrics.coco_cases.val2017_like``:
+Builds a val2017-sized random case (``ood_jax.testing.coco_cases.val2017_like``:
 5000 images, 80 categories, ~7 gt and 100 detections per image, with crowd
 regions, tied scores, >100-detection groups, ...) and times, in one run:
 
@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ood_jax.metrics import coco  # noqa: E402
-from ood_jax.metrics.coco_cases import val2017_like  # noqa: E402
+from ood_jax.testing.coco_cases import val2017_like  # noqa: E402
 
 TOL = 1e-6
 

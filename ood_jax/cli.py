@@ -52,7 +52,8 @@ def _coco_eval(args: argparse.Namespace) -> None:
 
 
 def _coco_demo(args: argparse.Namespace) -> None:
-    from ood_jax.metrics import coco, coco_cases
+    from ood_jax.metrics import coco
+    from ood_jax.testing import coco_cases
 
     print(f"Generating a COCO case: {args.images} images, {args.categories} categories ...")
     gt, detections = coco_cases.random_case(

@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from ood_jax import cli
-from ood_jax.metrics import coco, coco_cases
+from ood_jax.metrics import coco
+from ood_jax.testing import coco_cases
 
 
 @pytest.fixture

@@ -426,7 +426,8 @@ def test_local_client_through_eval_mllm(tiny_llava, tmp_path, capsys):
     import argparse
 
     from ood_jax.eval import cli as eval_cli
-    from ood_jax.eval import prompts, runner
+    from ood_jax import prompts
+    from ood_jax.eval import runner
 
     options = ["dog", "cat", "yes", "no"]
     lines = []

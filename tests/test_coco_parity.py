@@ -1,6 +1,6 @@
 """Randomized parity of ``ood_jax.metrics.coco`` with pycocotools' COCOeval (bbox).
 
-Every case comes from ``ood_jax.metrics.coco_cases.random_case`` (crowd regions,
+Every case comes from ``ood_jax.testing.coco_cases.random_case`` (crowd regions,
 area != w*h, tied scores, >100 detections per image-category group, images and
 categories without ground truth, exact-threshold IoUs, ...) or is built by hand
 for the degenerate cases (no detections, every detection ignored, crowd-only
@@ -23,7 +23,7 @@ from pycocotools.coco import COCO  # noqa: E402
 from pycocotools.cocoeval import COCOeval  # noqa: E402
 
 from ood_jax.metrics import coco as ours  # noqa: E402
-from ood_jax.metrics.coco_cases import case_summary, random_case  # noqa: E402
+from ood_jax.testing.coco_cases import case_summary, random_case  # noqa: E402
 
 TOL = 1e-6
 STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")

@@ -21,7 +21,8 @@ from sklearn import metrics as skm
 from test_clients import KEY, KEY_ENV, ChatServer, completion, image_parts, prompt_text
 
 from ood_jax.data import building
-from ood_jax.eval import benchmarks, clip_baseline, prompts, runner
+from ood_jax import prompts
+from ood_jax.eval import benchmarks, clip_baseline, runner
 from ood_jax.eval import cli as eval_cli
 from ood_jax.eval.bench_oodbench import bap_results, yes_no_results
 from ood_jax.eval.clients import OpenAIChatClient

@@ -93,7 +93,7 @@ def test_chunks_compile_once_and_chunk_size_does_not_matter():
 def test_one_device_mesh_gives_the_same_options():
     import jax
 
-    from ood_jax.train import sharding
+    from ood_jax import sharding
 
     rng = np.random.default_rng(3)
     images, texts = rng.normal(size=(130, 8)), rng.normal(size=(9, 8))

@@ -14,7 +14,7 @@ import tensorflow_datasets as tfds
 from PIL import Image
 
 from ood_jax.data import building, counts
-from ood_jax.eval import prompts
+from ood_jax import prompts
 from ood_jax.mining import cli as mining_cli
 from ood_jax.mining import oodg
 

@@ -8,7 +8,8 @@ import torch
 import torchvision
 
 from ood_jax.models import convert, detr, registry
-from ood_jax.train import optim, pretrain, sharding, train
+from ood_jax import sharding
+from ood_jax.train import optim, pretrain, train
 
 
 def _model_config(backbone_weights):

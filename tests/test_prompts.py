@@ -2,7 +2,7 @@
 
 import pytest
 
-from ood_jax.eval import prompts
+from ood_jax import prompts
 
 # FOCI Appendix A, with the listing's line numbers removed and its "C. $CHOICE2" typo read as the
 # third choice.

@@ -358,7 +358,7 @@ _MESH_SCRIPT = textwrap.dedent(
     import sys
     import jax, numpy as np
     from ood_jax import scorers
-    from ood_jax.train.sharding import make_mesh
+    from ood_jax.sharding import make_mesh
 
     assert jax.device_count() == 4
     sharded = scorers.from_hf(sys.argv[1], mesh=make_mesh([("data", -1)]), batch_size=6)

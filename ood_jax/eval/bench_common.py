@@ -16,7 +16,7 @@ import pathlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ood_jax.eval import prompts
+from ood_jax import prompts
 from ood_jax.eval.clients import ImageInput, Request
 
 

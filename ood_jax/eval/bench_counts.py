@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from ood_jax.eval import parsing, prompts
+from ood_jax import prompts
+from ood_jax.eval import parsing
 from ood_jax.eval.bench_common import (
     Benchmark,
     Item,

@@ -27,7 +27,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from ood_jax.eval.prompts import IMAGE_PLACEHOLDER
+from ood_jax.prompts import IMAGE_PLACEHOLDER
 
 # HTTP statuses worth another attempt besides 5xx (the ones OpenAI's own client retries):
 # request timeout, conflict, rate limiting.

@@ -12,7 +12,7 @@ import re
 import string
 from collections.abc import Sequence
 
-from ood_jax.eval.prompts import MAPPING_COLORS
+from ood_jax.prompts import MAPPING_COLORS
 
 _LETTERS = string.ascii_uppercase
 

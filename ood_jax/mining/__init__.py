@@ -68,7 +68,7 @@ def map_rows_in_chunks(
         raise ValueError(f"row arrays differ in length: {[len(r) for r in rows]}")
     row_sharding = shared_sharding = None
     if mesh is not None:
-        from ood_jax.train import sharding
+        from ood_jax import sharding
 
         if chunk_size % mesh.size:
             raise ValueError(f"chunk_size {chunk_size} does not split over {mesh.size} devices")

@@ -38,7 +38,7 @@ image; `rng` seeded):
   for the test, which shows y in d. (For mapping, y is the blue box's category.)
 A test unit whose setting has too few eligible examples is skipped and counted.
 
-Prompts come from `ood_jax.eval.prompts`: Table 8/9 for grounding, Tables 10 and 11 without ICE.
+Prompts come from `ood_jax.prompts`: Table 8/9 for grounding, Tables 10 and 11 without ICE.
 The paper prints in-context layouts for grounding only; for localization and mapping with ICE the
 examples use Table 9's frame (the same header lines, each example followed by its answer,
 "Final " before the last question), the examples' answers written as their format templates ask:
@@ -67,7 +67,7 @@ import numpy as np
 from ood_jax import boxes as box_lib
 from ood_jax import files
 from ood_jax.data import counts
-from ood_jax.eval import prompts
+from ood_jax import prompts
 from ood_jax.metrics import coco
 
 TASKS = ("grounding", "localization", "mapping")

@@ -7,7 +7,7 @@
 
 Every device call runs on a fixed batch (`batch_size` rows; the last batch is padded and the
 padding sliced off), so each input shape compiles once. With a mesh the batch is split over its
-devices (`ood_jax.train.sharding.batch_sharding`) and the parameters are replicated. `dtype` is the
+devices (`ood_jax.sharding.batch_sharding`) and the parameters are replicated. `dtype` is the
 computation dtype (bfloat16 on accelerators); parameters stay float32 and outputs are float32.
 
 `encode_images` overlaps the host and the device: JAX dispatches a batch asynchronously, and the
@@ -40,7 +40,7 @@ from jax.sharding import Mesh
 
 from ood_jax.models import convert as model_convert
 from ood_jax.scorers import clip, convert, preprocess
-from ood_jax.train import sharding
+from ood_jax import sharding
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 

@@ -27,7 +27,7 @@ from ood_jax import boxes as box_lib
 from ood_jax import files
 from ood_jax.data import pipeline
 from ood_jax.models import detr
-from ood_jax.train import sharding
+from ood_jax import sharding
 
 
 class DenseClassifier(nn.Module):

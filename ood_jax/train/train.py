@@ -29,7 +29,9 @@ from flax import serialization
 
 from ood_jax.data import building, counts, pipeline
 from ood_jax.models import convert, convert_vit, detr, registry, vit
-from ood_jax.train import checkpoint, detection_eval, objectives, optim, pretrain, sharding
+from ood_jax import sharding
+from ood_jax.detection import evaluation as detection_eval
+from ood_jax.train import checkpoint, objectives, optim, pretrain
 
 
 @flax.struct.dataclass

@@ -41,7 +41,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from ood_jax.data import building
-from ood_jax.eval import prompts
+from ood_jax import prompts
 
 SPLITS = {"ID": "id", "OOD-S": "ood_s", "OOD-H": "ood_h"}
 

@@ -489,7 +489,7 @@ def random_case(
         )
     ]
     gt = {
-        "info": {"description": f"ood_jax.metrics.coco_cases.random_case(seed={seed})"},
+        "info": {"description": f"ood_jax.testing.coco_cases.random_case(seed={seed})"},
         "licenses": [],
         "images": images,
         "categories": categories,

@@ -1,0 +1,1 @@
+"""Detector evaluation: COCO numbers per domain (O(OD)^2), tables and charts."""

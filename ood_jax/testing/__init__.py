@@ -1,0 +1,1 @@
+"""Generators shared by tests and benches (random COCO cases)."""
