@@ -74,9 +74,17 @@ class FrozenBatchNorm(nn.Module):
 def _norm(kind: Norm, train: bool, dtype: Any, name: str) -> nn.Module:
     if kind == "frozen":
         return FrozenBatchNorm(dtype=dtype, name=name)
-    # torch's momentum 0.1 is flax's 0.9 (flax weights the old value).
+    # torch's momentum 0.1 is flax's 0.9 (flax weights the old value). The variance is taken in
+    # two passes, as torch does: flax's default E[x^2] - E[x]^2 cancels catastrophically in
+    # float32 on post-ReLU activations, and the backbone's gradients then differ by percents
+    # between two summation orders of the same batch (one device or four).
     return nn.BatchNorm(
-        use_running_average=not train, momentum=0.9, epsilon=BN_EPS, dtype=dtype, name=name
+        use_running_average=not train,
+        momentum=0.9,
+        epsilon=BN_EPS,
+        use_fast_variance=False,
+        dtype=dtype,
+        name=name,
     )
 
 
