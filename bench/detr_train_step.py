@@ -175,7 +175,8 @@ def _our_runner(module, variables, inputs, args: argparse.Namespace) -> dict[str
     import jax.numpy as jnp
     import ml_collections
 
-    from ood_jax.train import objectives, optim, train
+    from ood_jax.models import detr
+    from ood_jax.train import optim, train
 
     images, boxes, labels, mask = inputs
     batch = {
@@ -209,7 +210,7 @@ def _our_runner(module, variables, inputs, args: argparse.Namespace) -> dict[str
         jax.jit(
             functools.partial(
                 train.train_step,
-                loss_fn=objectives.make_loss(ml_collections.ConfigDict(), module),
+                loss_fn=detr.make_loss(ml_collections.ConfigDict(), module),
                 optimizer=optimizer,
             ),
             donate_argnums=(0,),

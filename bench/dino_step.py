@@ -8,7 +8,7 @@ ImageNet-normalized images (default 2 at 320x320, all pixels real) with 3 to 6 r
 (8 target slots):
 
   * ours: `ood_jax.models.dino.DINO` with contrastive denoising queries
-    (`denoising.make_cdn_queries`, `--dn` of them) and `ood_jax.train.dino_loss.dino_loss`
+    (`denoising.make_cdn_queries`, `--dn` of them) and `ood_jax.models.focal_set_loss`
     (in-graph Hungarian matching of the final, 5 auxiliary and the encoder outputs, focal loss,
     L1, GIoU, plus the denoising losses of all 6 layers), backward, global-norm clipping 0.1 and
     AdamW (lr 1e-4, backbone 1e-5, weight decay 1e-4), jitted with the state donated. The stem
@@ -32,8 +32,8 @@ ImageNet-normalized images (default 2 at 320x320, all pixels real) with 3 to 6 r
 
 Warm-up runs are excluded; compile times are reported separately; each figure is the median of
 `--steps` timed runs, ours and torch alternating so a change in the machine's load weighs on
-both. If `ood_jax.train.dino_loss` cannot be imported, both train steps instead time forward +
-backward of the sum of all outputs (and say so).
+both. If `ood_jax.models.focal_set_loss` cannot be imported, both train steps instead time
+forward + backward of the sum of all outputs (and say so).
 
     python bench/dino_step.py [--steps 3] [--warmup 1] [--size 320] [--batch 2] [--dn 100]
                               [--op-size 800x1333] [--dtype float32|bfloat16] [--remat]
@@ -258,10 +258,11 @@ def _our_runner(args: argparse.Namespace, inputs, dtype, use_loss: bool) -> dict
         out = apply(trainable, fixed, batch, train=True, denoise=denoise)
         if not use_loss:
             return sum(jnp.sum(x) for x in jax.tree.leaves(out))
-        from ood_jax.train import dino_loss
+        from ood_jax.models import focal_set_loss
 
         targets = {k: batch[k] for k in ("boxes", "labels", "mask")}
-        total, _ = dino_loss.dino_loss(out, targets, dino_loss.DinoLossConfig(), denoise)
+        config = focal_set_loss.FocalSetLossConfig()
+        total, _ = focal_set_loss.focal_set_loss(out, targets, config, denoise)
         return total
 
     def train_step(state, fixed, batch, rng):
@@ -353,12 +354,14 @@ def main() -> None:
     import jax.numpy as jnp
 
     try:
-        from ood_jax.train import dino_loss  # noqa: F401
+        from ood_jax.models import focal_set_loss  # noqa: F401
 
-        use_loss, loss_note = True, "DINO loss (dino_loss) vs transformers' loss"
+        use_loss, loss_note = True, "DINO loss (focal_set_loss) vs transformers' loss"
     except ImportError as e:
         use_loss = False
-        loss_note = f"ood_jax.train.dino_loss not importable ({e}): sum of outputs on both sides"
+        loss_note = (
+            f"ood_jax.models.focal_set_loss not importable ({e}): sum of outputs on both sides"
+        )
 
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     inputs = common.random_detection_input(args.seed, args.batch, args.size, MAX_BOXES, NUM_CLASSES)

@@ -44,7 +44,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.denoising.label_noise_ratio = 0.5
     config.denoising.box_noise_scale = 1.0
 
-    # DINO's focal set loss and matching costs (ood_jax.train.dino_loss.DinoLossConfig).
+    # DINO's focal set loss and matching costs (ood_jax.models.focal_set_loss.FocalSetLossConfig).
     config.loss = ml_collections.ConfigDict()
     config.loss.focal_alpha = 0.25
     config.loss.focal_gamma = 2.0

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 from ood_jax import config_files, files
 from ood_jax.eval import cli as eval_cli
 from ood_jax.mining import cli as mining_cli
+from ood_jax.stats import cli as stats_cli
 
 
 def _read_json(path: str, what: str) -> Any:
@@ -98,10 +99,11 @@ def _demo(args: argparse.Namespace) -> None:
 
 
 def _build(args: argparse.Namespace) -> None:
+    from ood_jax import datasets
     from ood_jax.data import building
 
     try:
-        builder = building.build(
+        builder = datasets.build(
             args.name,
             data_dir=args.data_dir,
             source=args.source,
@@ -153,10 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(run=_build)
 
-    for command in ("train", "evaluate"):
+    for command, what in DETECTOR_COMMANDS.items():
         sub.add_parser(
             command,
-            help=f"{command} a detector: --config=configs/X.py[:arg] --workdir=DIR [--config.f=v]",
+            help=f"{what}: --config=configs/X.py[:arg] --workdir=DIR [--config.f=v]",
         )
 
     p = sub.add_parser("export", help="a self-contained inference checkpoint of a training run")
@@ -178,12 +180,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_coco_demo)
 
     mining_cli.add_parsers(sub)
-    eval_cli.add_parsers(sub)
+    eval_cli.add_parsers(sub)  # eval-mllm
+    # stats: OODBench's checks, plus FOCI's clip-conditional, which reads eval-mllm runs.
+    eval_cli.add_stats_parsers(stats_cli.add_parsers(sub))
     return parser
 
 
+# Commands that take ml_collections config flags (--config=FILE[:arg] --config.x=v).
+DETECTOR_COMMANDS = {
+    "pretrain": "pretrain a detector's backbone (the stage train runs first when configured)",
+    "train": "train a detector",
+    "evaluate": "evaluate a detector",
+}
+
+
 def _train_or_evaluate(command: str, argv: Sequence[str]) -> None:
-    """`train` and `evaluate` take ml_collections config flags: --config=FILE[:arg] --config.x=v."""
+    """`pretrain`, `train` and `evaluate`: config flags --config=FILE[:arg] --config.x=v."""
     from absl import flags
     from ml_collections import config_flags
 
@@ -211,6 +223,13 @@ def _train_or_evaluate(command: str, argv: Sequence[str]) -> None:
 
     from ood_jax.train import train
 
+    if command == "pretrain":
+        try:
+            path = train.pretrain_stage(flag_values.config, flag_values.workdir)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+        print(f"pretrained backbone: {path} (train on this workdir starts from it)")
+        return
     run = train.train_and_evaluate if command == "train" else train.evaluate
     run(flag_values.config, flag_values.workdir)
     print((pathlib.Path(flag_values.workdir) / "results.md").read_text())
@@ -218,7 +237,7 @@ def _train_or_evaluate(command: str, argv: Sequence[str]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("train", "evaluate"):
+    if argv and argv[0] in DETECTOR_COMMANDS:
         _train_or_evaluate(argv[0], argv[1:])
         return
     args = build_parser().parse_args(argv)

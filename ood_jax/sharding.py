@@ -7,16 +7,21 @@ against each parameter's path "a/b/kernel". Strategies:
   * "fsdp": the largest dimension divisible by the 'fsdp' axis size is split over it (ZeRO-3
     style); parameters with no such dimension stay replicated.
 Batches are split along their leading dimension over every axis of the mesh, so 'fsdp' devices
-also share the data-parallel work.
+also share the data-parallel work: every host feeds its own rows (`start_global`, which also
+keeps host-only fields such as image ids on the host and transfers the next batch while the
+current step runs) and reads its rows of the outputs back (`to_host_local`).
 """
 
 from __future__ import annotations
 
+import collections
 import re
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 STRATEGIES = ("replicate", "fsdp")
@@ -51,8 +56,17 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def _path_name(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+def path_name(path: Sequence[Any]) -> str:
+    """A parameter's name, "a/b/0/kernel", from its pytree key path (dict keys, attribute
+    names and sequence indices alike): the name partition rules and optimizer groups match."""
+
+    def part(key) -> str:
+        for field in ("key", "name", "idx"):
+            if hasattr(key, field):
+                return str(getattr(key, field))
+        return str(key)
+
+    return "/".join(part(k) for k in path)
 
 
 def _fsdp_spec(shape: Sequence[int], axis_size: int) -> PartitionSpec:
@@ -82,7 +96,7 @@ def tree_shardings(tree: Any, mesh: Mesh, rules: Sequence[tuple[str, str]]) -> A
         compiled.append((re.compile(pattern), strategy))
 
     def leaf_sharding(path, leaf):
-        name = _path_name(path)
+        name = path_name(path)
         for pattern, strategy in compiled:
             if pattern.fullmatch(name):
                 if strategy == "replicate" or not np.shape(leaf):
@@ -91,3 +105,67 @@ def tree_shardings(tree: Any, mesh: Mesh, rules: Sequence[tuple[str, str]]) -> A
         raise ValueError(f"config.partition_rules: no rule matches parameter {name!r}")
 
     return jax.tree_util.tree_map_with_path(leaf_sharding, tree)
+
+
+# ------------------------------------------------------------------------------------------------
+# Host batches <-> global arrays.
+# ------------------------------------------------------------------------------------------------
+
+
+def to_global_array(
+    batch: Mapping[str, np.ndarray], sharding: NamedSharding
+) -> dict[str, jax.Array]:
+    """Per-host batches -> global arrays whose batch dim is sharded as `sharding` says.
+
+    `sharding` is typically `batch_sharding(mesh)`; every host passes its own local batch and
+    gets arrays of the global batch.
+    """
+    arrays = {name: np.asarray(value) for name, value in batch.items()}
+    if not jax.config.jax_enable_x64:
+        for name, value in arrays.items():
+            if value.dtype in (np.int64, np.uint64):
+                raise ValueError(
+                    f"field {name!r} is {value.dtype}, which jax without x64 would truncate; "
+                    "keep it on the host"
+                )
+    return {
+        name: jax.make_array_from_process_local_data(sharding, value)
+        for name, value in arrays.items()
+    }
+
+
+def start_global(
+    batches: Iterable[Mapping[str, np.ndarray]],
+    sharding: NamedSharding,
+    host_keys: Sequence[str] = (),
+    n_prefetch: int = 1,
+) -> Iterator[tuple[dict[str, jax.Array], dict[str, np.ndarray]]]:
+    """Host batches -> (global arrays, host-only fields), `n_prefetch` batches ahead.
+
+    The fields named in `host_keys` stay numpy arrays of this host's rows; every other field
+    becomes a global array (`to_global_array`). Transfers are asynchronous, so with
+    `n_prefetch` >= 1 the next batch is on its way to the devices while the current step runs.
+    The sequence is the host iterator's, unchanged.
+    """
+    if n_prefetch < 0:
+        raise ValueError(f"n_prefetch must be >= 0, got {n_prefetch}")
+    host_keys = frozenset(host_keys)
+
+    def split(batch):
+        host = {k: np.asarray(v) for k, v in batch.items() if k in host_keys}
+        device = to_global_array({k: v for k, v in batch.items() if k not in host_keys}, sharding)
+        return device, host
+
+    queue: collections.deque = collections.deque()
+    for batch in batches:
+        queue.append(split(batch))
+        if len(queue) > n_prefetch:
+            yield queue.popleft()
+    while queue:
+        yield queue.popleft()
+
+
+def to_host_local(array: jax.Array, sharding: NamedSharding) -> np.ndarray:
+    """The rows of a global batch-sharded array that this host fed in, e.g. model outputs."""
+    local = multihost_utils.global_array_to_host_local_array(array, sharding.mesh, sharding.spec)
+    return np.asarray(local)

@@ -17,6 +17,7 @@ from PIL import Image
 
 from ood_jax import boxes as box_lib
 from ood_jax import cli
+from ood_jax import datasets
 from ood_jax.data import building, counts
 
 # Ids are sparse and names spelled loosely, as a release may do; values are COUNTS' names.
@@ -146,7 +147,7 @@ def make_source(root: pathlib.Path, layout: dict[str, list[str]], seed: int = 0)
 
 def build(source: Source | pathlib.Path, data_dir: pathlib.Path, on_error: str = "fail"):
     root = source.write() if isinstance(source, Source) else source
-    return building.build("counts", str(data_dir), source=str(root), on_error=on_error)
+    return datasets.build("counts", str(data_dir), source=str(root), on_error=on_error)
 
 
 FULL_LAYOUT = {

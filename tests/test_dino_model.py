@@ -32,10 +32,10 @@ import jax.numpy as jnp  # noqa: E402
 from transformers.models.deformable_detr import modeling_deformable_detr as hf  # noqa: E402
 
 from ood_jax.models import (  # noqa: E402
+    backbones,
     convert_deformable,
     deformable_detr,
     denoising,
-    detr,
     dino,
     resnet,
     vit,
@@ -160,7 +160,9 @@ def test_queries_are_the_top_k_real_encoder_proposals(tiny) -> None:
     all_logits = np.asarray(state["intermediates"]["enc_class_embed"]["__call__"][0])
     # The encoder positions that are real pixels, level by level as the encoder flattens them.
     sizes = [(8, 8), (4, 4), (2, 2), (1, 1)]
-    real = np.concatenate([np.asarray(detr.resize_mask(mask, s)).reshape(2, -1) for s in sizes], 1)
+    real = np.concatenate(
+        [np.asarray(backbones.resize_mask(mask, s)).reshape(2, -1) for s in sizes], 1
+    )
     assert all_logits.shape == (2, real.shape[1], NUM_CLASSES) and not real[1].all()
     for b in range(2):
         score = np.where(real[b], all_logits[b].max(-1), -np.inf)

@@ -5,7 +5,6 @@ records and the server's own answers."""
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import hashlib
@@ -20,18 +19,15 @@ from PIL import Image
 from sklearn import metrics as skm
 from test_clients import KEY, KEY_ENV, ChatServer, completion, image_parts, prompt_text
 
-from ood_jax.data import building
+from ood_jax import cli, datasets
 from ood_jax import prompts
-from ood_jax.eval import benchmarks, clip_baseline, runner
-from ood_jax.eval import cli as eval_cli
-from ood_jax.eval.bench_oodbench import bap_results, yes_no_results
+from ood_jax.eval import clip_baseline, runner, tasks
+from ood_jax.eval.tasks.oodbench import bap_results, yes_no_results
 from ood_jax.eval.clients import OpenAIChatClient
 
 
 def run_cli(argv: list[str]):
-    parser = argparse.ArgumentParser(prog="ood-jax")
-    eval_cli.add_parsers(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
+    args = cli.build_parser().parse_args(argv)
     return args.run(args)
 
 
@@ -89,12 +85,12 @@ def foci_data(tmp_path_factory) -> pathlib.Path:
     _foci_source(
         root / "custom", FOCI_CLASSES["custom"], lambda label, k: f"photos/{label}/{k}.jpg"
     )
-    building.build("foci", str(data_dir), source=str(root / "custom"), config="custom")
+    datasets.build("foci", str(data_dir), source=str(root / "custom"), config="custom")
     wnid = {label: w for w, label in WNIDS.items()}
     _foci_source(
         root / "in21k", list(WNIDS.values()), lambda label, k: f"images/{wnid[label]}/{k}.JPEG"
     )
-    building.build("foci", str(data_dir), source=str(root / "in21k"), config="imagenet21k_animal")
+    datasets.build("foci", str(data_dir), source=str(root / "in21k"), config="imagenet21k_animal")
     return data_dir
 
 
@@ -129,7 +125,7 @@ def foci_expectations(data_dir: pathlib.Path) -> dict[str, list[tuple[str, bool,
     """Per dataset: (prompt text, correct, failed) from the records and the server's rules."""
     out, fail_sha = {}, failing_image(data_dir)
     for config in ("custom", "imagenet21k_animal"):
-        directory = benchmarks.dataset_dir(data_dir, "foci", config)
+        directory = tasks.dataset_dir(data_dir, "foci", config)
         rows = []
         for record in _raw_records(directory, ["test"])["test"]:
             options = [o.decode() for o in record["options"]]
@@ -221,7 +217,7 @@ class KilledAfter:
 
 
 def test_killed_run_resumes_without_resending(foci_data, tmp_path):
-    benchmark = benchmarks.make_benchmark("foci", data_dir=str(foci_data), config="custom")
+    benchmark = tasks.make_benchmark("foci", data_dir=str(foci_data), config="custom")
     respond = lambda body, attempt: (200, {}, completion(foci_reply(prompt_text(body))))  # noqa: E731
 
     with ChatServer(respond) as server:
@@ -258,12 +254,12 @@ def test_killed_run_resumes_without_resending(foci_data, tmp_path):
 
 
 def test_rerun_refuses_another_model_and_a_corrupt_file(foci_data, tmp_path):
-    benchmark = benchmarks.make_benchmark("foci", data_dir=str(foci_data), config="custom")
+    benchmark = tasks.make_benchmark("foci", data_dir=str(foci_data), config="custom")
     with ChatServer(lambda body, attempt: (200, {}, completion("B"))) as server:
         runner.run(benchmark, OpenAIChatClient(server.url, "m1"), tmp_path, progress=False)
         with pytest.raises(runner.RunError, match="model: 'm1' there, 'm2' now"):
             runner.run(benchmark, OpenAIChatClient(server.url, "m2"), tmp_path, progress=False)
-        strict = benchmarks.make_benchmark(
+        strict = tasks.make_benchmark(
             "foci", data_dir=str(foci_data), config="custom", parse_mode="strict"
         )
         with pytest.raises(runner.RunError, match="parse_mode"):
@@ -314,14 +310,14 @@ class FakeScorer:
 
 
 def test_clip_baseline_with_a_fake_scorer(foci_data, tmp_path):
-    benchmark = benchmarks.make_benchmark("foci", data_dir=str(foci_data))
+    benchmark = tasks.make_benchmark("foci", data_dir=str(foci_data))
     scorer, templates = FakeScorer(), ("a photo of a {}.", "an image of {}")
     results = clip_baseline.run_clip_baseline(
         benchmark, scorer, tmp_path / "clip", "fake", templates, batch_size=5, progress=False
     )
     hits, per_item = [], {}
     for config in ("custom", "imagenet21k_animal"):
-        directory = benchmarks.dataset_dir(foci_data, "foci", config)
+        directory = tasks.dataset_dir(foci_data, "foci", config)
         for record in _raw_records(directory, ["test"])["test"]:
             pixels = np.asarray(Image.open(io.BytesIO(record["image"])).convert("RGB"))
             image = scorer.encode_images([pixels])[0]
@@ -374,12 +370,12 @@ def test_clip_baseline_with_a_fake_scorer(foci_data, tmp_path):
 def test_clip_baseline_refuses_items_it_cannot_answer(tmp_path):
     path, _ = write_oodg_items(tmp_path / "mined")
     for task, ice, message in (("grounding", 1, "has 2 images"), ("localization", 0, "multiple")):
-        benchmark = benchmarks.make_benchmark("counts-oodg", items=str(path), task=task, ice=ice)
-        with pytest.raises(benchmarks.ItemsError, match=message):
+        benchmark = tasks.make_benchmark("counts-oodg", items=str(path), task=task, ice=ice)
+        with pytest.raises(tasks.ItemsError, match=message):
             clip_baseline.run_clip_baseline(
                 benchmark, FakeScorer(), tmp_path / task, "fake", progress=False
             )
-    zero_shot = benchmarks.make_benchmark("counts-oodg", items=str(path), task="grounding", ice=0)
+    zero_shot = tasks.make_benchmark("counts-oodg", items=str(path), task="grounding", ice=0)
     results = clip_baseline.run_clip_baseline(
         zero_shot, FakeScorer(), tmp_path / "zs", "fake", progress=False
     )
@@ -419,8 +415,8 @@ def oodbench_data(tmp_path_factory) -> pathlib.Path:
     )
     lines = [json.dumps({"image_id": i, "category": c, "split": s}) for i, c, s in SPLIT_LINES]
     (src / "splits.jsonl").write_text("\n".join(lines) + "\n")
-    building.build("oodbench", str(data_dir), source=str(src), config="default")
-    building.build("oodbench", str(data_dir), source=str(src), config="bap")
+    datasets.build("oodbench", str(data_dir), source=str(src), config="default")
+    datasets.build("oodbench", str(data_dir), source=str(src), config="bap")
     return data_dir
 
 
@@ -445,7 +441,7 @@ def test_oodbench_metrics_match_sklearn(oodbench_data, tmp_path, setting):
     if setting == "cot":
         assert all("Let\u2019s break down" in prompt_text(b) for _, _, b in server.requests)
         assert all(b["max_tokens"] == 512 for _, _, b in server.requests)
-    directory = benchmarks.dataset_dir(oodbench_data, "oodbench", "default")
+    directory = tasks.dataset_dir(oodbench_data, "oodbench", "default")
     records = _raw_records(directory, ["id", "ood_s", "ood_h"])
     assert list(results["splits"]) == ["id", "ood_s", "ood_h"]
     for split, split_records in records.items():
@@ -523,7 +519,7 @@ def test_bap_metrics(oodbench_data, tmp_path):
             ["eval-mllm", "oodbench-bap", "--data-dir", str(oodbench_data), "--endpoint",
              server.url, "--model", "m", "--output", str(tmp_path), "--no-progress"]
         )  # fmt: skip
-    directory = benchmarks.dataset_dir(oodbench_data, "oodbench", "bap")
+    directory = tasks.dataset_dir(oodbench_data, "oodbench", "bap")
     words = {"1": 1, "2": 2, "three": 3}
     for split, split_records in _raw_records(directory, ["id", "ood_s", "ood_h"]).items():
         by_image = collections.defaultdict(dict)
@@ -759,13 +755,13 @@ def test_changed_item_is_an_error_naming_it(tmp_path):
         return 200, {}, completion(oodg_reply(record))
 
     with ChatServer(respond) as server:
-        benchmark = benchmarks.make_benchmark("counts-oodg", items=str(path))
+        benchmark = tasks.make_benchmark("counts-oodg", items=str(path))
         runner.run(benchmark, OpenAIChatClient(server.url, "m"), tmp_path / "run", progress=False)
         hits = server.hits
         records = [json.loads(line) for line in path.read_text().splitlines()]
         records[5]["prompt"] = records[5]["prompt"].replace("Question", "Query")
         path.write_text("".join(json.dumps(r) + "\n" for r in records))
-        changed = benchmarks.make_benchmark("counts-oodg", items=str(path))
+        changed = tasks.make_benchmark("counts-oodg", items=str(path))
         with pytest.raises(
             runner.RunError, match=f"item '{records[5]['id']}' was answered for another prompt"
         ):
@@ -801,8 +797,8 @@ def test_bad_items_name_the_line_and_field(tmp_path, change, message):
         bad.update(change)
     path = tmp_path / "items.jsonl"
     path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
-    with pytest.raises(benchmarks.ItemsError, match=r"items\.jsonl: line 2.*" + message):
-        benchmarks.read_oodg_items(path)
+    with pytest.raises(tasks.ItemsError, match=r"items\.jsonl: line 2.*" + message):
+        tasks.read_oodg_items(path)
     with pytest.raises(SystemExit, match=r"items\.jsonl: line 2"):
         run_cli(["eval-mllm", "counts-oodg", "--items", str(path), "--endpoint",
                  "http://127.0.0.1:9/v1", "--model", "m", "--output", str(tmp_path / "o")])  # fmt: skip

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
+from flax import serialization
 
 from ood_jax.data import pipeline
 from ood_jax.models import EXPORT_FORMAT_VERSION, load_exported, registry
@@ -201,7 +202,7 @@ def test_bad_paths_are_named(run, tmp_path):
     with pytest.raises(ValueError, match="garbage.msgpack"):
         load_exported(garbage)
     future = tmp_path / "future.msgpack"
-    future.write_bytes(export_lib.serialization.msgpack_serialize({"format_version": 99}))
+    future.write_bytes(serialization.msgpack_serialize({"format_version": 99}))
     with pytest.raises(
         ValueError, match=f"future.msgpack: format_version 99.*{EXPORT_FORMAT_VERSION}"
     ):
@@ -225,7 +226,7 @@ def test_failed_export_leaves_the_old_file_and_no_partial_one(run, tmp_path, mon
         raise OSError("disk full")
 
     module, _, name = failing.rpartition(".")
-    monkeypatch.setattr(getattr(export_lib, module), name, fail)
+    monkeypatch.setattr({"serialization": serialization, "os": os}[module], name, fail)
     with pytest.raises(OSError, match="disk full"):
         export_lib.export(run["workdir"], out)
     assert out.read_bytes() == b"previous export"

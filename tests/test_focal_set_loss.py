@@ -12,13 +12,13 @@ import transformers
 from transformers.loss import loss_deformable_detr as hf_loss
 
 from ood_jax.models import denoising
-from ood_jax.train import dino_loss as dl
-from ood_jax.train.detr_loss import hungarian_match
+from ood_jax.models import focal_set_loss as dl
+from ood_jax.models.set_loss import hungarian_match
 
 NUM_CLASSES = 5
 ALPHA, GAMMA = 0.25, 2.0
 # One jitted function for all tests, so equal shapes compile once.
-dino_loss = jax.jit(dl.dino_loss, static_argnames="config")
+dino_loss = jax.jit(dl.focal_set_loss, static_argnames="config")
 
 
 def random_mask(rng: np.random.Generator, num_slots: int, num_real: int) -> np.ndarray:
@@ -165,7 +165,7 @@ def test_class_agnostic_encoder_terms_equal_transformers() -> None:
     # Deformable DETR: every class collapsed to class 0; fewer proposals than queries this time.
     outputs, targets = make_batch(5, [2, 0, 6], 20, 8, num_aux=1)
     outputs["enc"] = random_head(np.random.default_rng(6), 3, 12)
-    config = dl.DinoLossConfig(encoder_weight=0.5, encoder_class_agnostic=True)
+    config = dl.FocalSetLossConfig(encoder_weight=0.5, encoder_class_agnostic=True)
     total, metrics = dino_loss(outputs, targets, config=config)
 
     enc_total, enc_terms = transformers_loss([outputs["enc"]], torch_targets(targets, True))
@@ -329,7 +329,7 @@ def test_num_boxes_override_scales_every_term() -> None:
 @jax.jit
 def loss_and_grad(outputs: dict, targets: dict, dn: dict) -> tuple:
     def loss(outputs: dict) -> jax.Array:
-        return dl.dino_loss(outputs, targets, denoise=dn)[0]
+        return dl.focal_set_loss(outputs, targets, denoise=dn)[0]
 
     return jax.value_and_grad(loss)(outputs)
 
@@ -367,11 +367,11 @@ def test_compiles_once_for_any_target_count() -> None:
 def test_bad_inputs_raise() -> None:
     outputs, targets, dn = denoising_batch(12, [1, 2, 0, 3])
     with pytest.raises(ValueError, match="denoise"):
-        dl.dino_loss(outputs, targets)
+        dl.focal_set_loss(outputs, targets)
     with pytest.raises(ValueError, match=r"outputs\['dn'\]"):
-        dl.dino_loss({**outputs, "aux": outputs["aux"][:1]}, targets, denoise=dn)
+        dl.focal_set_loss({**outputs, "aux": outputs["aux"][:1]}, targets, denoise=dn)
     bad = {**targets, "labels": np.where(targets["mask"], NUM_CLASSES, 0).astype(np.int32)}
     with pytest.raises(ValueError, match="labels"):
-        dl.dino_loss(outputs, bad, denoise=dn)
+        dl.focal_set_loss(outputs, bad, denoise=dn)
     with pytest.raises(ValueError, match="boxes"):
-        dl.dino_loss(outputs, {**targets, "boxes": targets["boxes"][..., :2]}, denoise=dn)
+        dl.focal_set_loss(outputs, {**targets, "boxes": targets["boxes"][..., :2]}, denoise=dn)

@@ -14,7 +14,9 @@ from PIL import Image
 from scipy import io as scipy_io
 
 from ood_jax import cli
+from ood_jax import datasets
 from ood_jax.data import building
+from ood_jax.data import foci as foci_source
 from tfds_builders.foci import foci_dataset_builder as foci
 
 # image path relative to SRC -> (label, options as written in the file, (height, width))
@@ -33,7 +35,7 @@ def _write_image(path: pathlib.Path, size: tuple[int, int], fmt: str = "JPEG") -
 def _options(label: str, classes: list[str]) -> list[str]:
     # The truth first and the next three classes as negatives, like a mined FOCI entry.
     start = classes.index(label)
-    return [classes[(start + k) % len(classes)] for k in range(foci.NUM_OPTIONS)]
+    return [classes[(start + k) % len(classes)] for k in range(foci_source.NUM_OPTIONS)]
 
 
 def _write_options(path: pathlib.Path, expected: Expected, file_paths: dict[str, str]) -> None:
@@ -79,7 +81,7 @@ def make_flowers102(src: pathlib.Path) -> Expected:
         },
     )
     scipy_io.savemat(src / "imagelabels.mat", {"labels": np.array([labels], float)})
-    names = foci.FLOWERS102_CLASSES
+    names = foci_source.FLOWERS102_CLASSES
     classes = [names[0], names[1], names[2], names[76]]
     labelled = [(f"jpg/image_{i:05d}.jpg", names[labels[i - 1] - 1]) for i in test_ids]
     expected = _images(src, labelled, classes)
@@ -201,7 +203,7 @@ LAYOUTS.update(
 
 
 def _build(tmp_path: pathlib.Path, config: str, src: pathlib.Path, name: str = "data", **kwargs):
-    return building.build("foci", str(tmp_path / name), source=str(src), config=config, **kwargs)
+    return datasets.build("foci", str(tmp_path / name), source=str(src), config=config, **kwargs)
 
 
 def _read_back(builder) -> dict[str, dict]:
@@ -234,8 +236,8 @@ def test_build_matches_source(tmp_path, config):
 
 
 def test_pet_class_names_follow_torchvision():
-    assert foci.pet_class_name("american_pit_bull_terrier_12") == "American Pit Bull Terrier"
-    assert foci.pet_class_name("Egyptian_Mau_3") == "Egyptian Mau"
+    assert foci_source.pet_class_name("american_pit_bull_terrier_12") == "American Pit Bull Terrier"
+    assert foci_source.pet_class_name("Egyptian_Mau_3") == "Egyptian Mau"
 
 
 def test_two_builds_give_the_same_option_order(tmp_path):

@@ -13,7 +13,7 @@ import tensorflow_datasets as tfds
 from PIL import Image
 
 from ood_jax import mining
-from ood_jax.data import building
+from ood_jax import datasets
 from ood_jax.mining import cli as mining_cli
 from ood_jax.mining import foci
 
@@ -259,7 +259,7 @@ def test_mine_custom_folders_round_trip_through_the_builder(tmp_path):
     assert all(e["groundtruth"] == e["options"][0] for e in entries.values())
     assert list(written) == [folders[f] for f in sorted(folders)]  # grouped by class, in order
 
-    building.build("foci", str(tmp_path / "data"), source=str(src), config="custom")
+    datasets.build("foci", str(tmp_path / "data"), source=str(src), config="custom")
     records = _read_built(tmp_path / "data", "custom")
     assert sorted(records) == sorted(images)
     for image, record in records.items():
@@ -287,7 +287,7 @@ def test_mine_a_release_split_round_trip(tmp_path):
     written = json.loads((src / "foci_options.json").read_text())
     assert {e["image"]: e["options"] for g in written.values() for e in g} == expected
 
-    building.build("foci", str(tmp_path / "data"), source=str(src), config="food101")
+    datasets.build("foci", str(tmp_path / "data"), source=str(src), config="food101")
     records = _read_built(tmp_path / "data", "food101")
     assert {i: sorted(o.decode() for o in r["options"]) for i, r in records.items()} == {
         i: sorted(o) for i, o in expected.items()

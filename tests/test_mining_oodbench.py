@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 from scipy import special
 
-from ood_jax.data import building
+from ood_jax import datasets
 from ood_jax.mining import cli as mining_cli
 from ood_jax.mining import oodbench
 
@@ -264,7 +264,7 @@ def test_mine_oodbench_round_trip_through_the_builder(tmp_path, capsys):
     for split in oodbench.SPLITS:
         assert f"{split}: {counts[split]} pairs, {len(kept[split])} written" in printed
 
-    building.build("oodbench", str(tmp_path / "data"), source=str(root))
+    datasets.build("oodbench", str(tmp_path / "data"), source=str(root))
     reread = tfds.builder_from_directory(str(tmp_path / "data" / "oodbench" / "default" / "1.0.0"))
     for split, tfds_split in (("ID", "id"), ("OOD-S", "ood_s"), ("OOD-H", "ood_h")):
         examples = list(tfds.as_numpy(reread.as_dataset(split=tfds_split)))

@@ -13,7 +13,8 @@ import pytest
 import tensorflow_datasets as tfds
 from PIL import Image
 
-from ood_jax.data import building, counts
+from ood_jax import datasets
+from ood_jax.data import counts
 from ood_jax import prompts
 from ood_jax.mining import cli as mining_cli
 from ood_jax.mining import oodg
@@ -50,7 +51,7 @@ def _run(data_dir: pathlib.Path, out: pathlib.Path, task, setting, ice, items, *
 @pytest.fixture(scope="module")
 def mined(tmp_path_factory):
     root = tmp_path_factory.mktemp("oodg")
-    building.build("synthetic_shifts", str(root / "tfds"), config="tiny")
+    datasets.build("synthetic_shifts", str(root / "tfds"), config="tiny")
     for name, run in RUNS.items():
         _run(root / "tfds", root / name, *run)
     return root

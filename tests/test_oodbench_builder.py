@@ -14,6 +14,7 @@ import pytest
 import tensorflow_datasets as tfds
 from PIL import Image
 
+from ood_jax import datasets
 from ood_jax.data import building
 from tfds_builders.oodbench import oodbench_dataset_builder as oodbench
 
@@ -87,7 +88,7 @@ def coco_source(tmp_path) -> pathlib.Path:
 
 
 def _build(source: pathlib.Path, data_dir: pathlib.Path, config: str | None = None, **kwargs):
-    return building.build("oodbench", str(data_dir), source=str(source), config=config, **kwargs)
+    return datasets.build("oodbench", str(data_dir), source=str(source), config=config, **kwargs)
 
 
 def _read(data_dir: pathlib.Path, config: str) -> dict[str, list[dict]]:

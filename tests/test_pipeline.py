@@ -314,6 +314,7 @@ _GLOBAL_SCRIPT = textwrap.dedent(
     import sys
     import jax, numpy as np, ml_collections, tensorflow_datasets as tfds
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from ood_jax import sharding as sharding_lib
     from ood_jax.data import pipeline
 
     assert jax.device_count() == 4
@@ -324,7 +325,7 @@ _GLOBAL_SCRIPT = textwrap.dedent(
     for shape, axes in [((4,), ("data",)), ((2, 2), ("data", "model"))]:
         mesh = Mesh(np.array(jax.devices()).reshape(shape), axes)
         sharding = NamedSharding(mesh, P("data"))
-        batch = next(pipeline.global_iterator([local], sharding))
+        batch, _ = next(sharding_lib.start_global([local], sharding))
         rows = 8 // shape[0]
         for name, value in batch.items():
             assert value.sharding == sharding and value.shape == local[name].shape, name
@@ -332,9 +333,9 @@ _GLOBAL_SCRIPT = textwrap.dedent(
             for shard in value.addressable_shards:
                 assert shard.data.shape[0] == rows
                 np.testing.assert_array_equal(shard.data, local[name][shard.index])
-            np.testing.assert_array_equal(pipeline.to_host_local(value, sharding), local[name])
+            np.testing.assert_array_equal(sharding_lib.to_host_local(value, sharding), local[name])
     try:
-        pipeline.to_global_array({"image_id": np.zeros(8, np.int64)}, sharding)
+        sharding_lib.to_global_array({"image_id": np.zeros(8, np.int64)}, sharding)
     except ValueError as e:
         assert "image_id" in str(e)
     else:

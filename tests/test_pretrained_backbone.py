@@ -7,7 +7,7 @@ import pytest
 import torch
 import torchvision
 
-from ood_jax.models import convert, detr, registry
+from ood_jax.models import backbones, convert, registry
 from ood_jax import sharding
 from ood_jax.train import optim, pretrain, train
 
@@ -72,7 +72,7 @@ def test_torchvision_weights_replace_the_backbone(tmp_path):
     loaded = train.load_pretrained_backbone(state, model_config.args, path, shardings)
     expected = convert.resnet_from_torch(
         {k: v.numpy() for k, v in reference.state_dict().items()},
-        detr.build_backbone("resnet18", "frozen"),
+        backbones.build_backbone("resnet18", "frozen"),
     )
     np.testing.assert_array_equal(
         loaded.params["backbone"]["stem_conv"]["kernel"],

@@ -9,11 +9,11 @@ import scipy.optimize
 import torch
 from transformers.loss.loss_for_object_detection import ForObjectDetectionLoss
 
-from ood_jax.train import detr_loss as dl
+from ood_jax.models import set_loss as dl
 
 NUM_CLASSES = 5
 # One jitted function for all tests, so equal shapes compile once.
-detr_loss = jax.jit(dl.detr_loss)
+detr_loss = jax.jit(dl.set_loss)
 
 
 def random_mask(rng: np.random.Generator, num_slots: int, num_real: int) -> np.ndarray:
@@ -136,7 +136,7 @@ def test_num_boxes_override() -> None:
 @jax.jit
 def loss_and_grad(logits: jax.Array, boxes: jax.Array, outputs: dict, targets: dict) -> tuple:
     def loss(logits: jax.Array, boxes: jax.Array) -> jax.Array:
-        return dl.detr_loss({**outputs, "logits": logits, "boxes": boxes}, targets)[0]
+        return dl.set_loss({**outputs, "logits": logits, "boxes": boxes}, targets)[0]
 
     return jax.value_and_grad(loss, argnums=(0, 1))(logits, boxes)
 
@@ -157,7 +157,7 @@ def test_gradient_finite_without_targets(num_real: list[int]) -> None:
 def test_query_groups_loss_is_mean_of_groups_matched_alone() -> None:
     num_groups, num_queries = 3, 5
     outputs, targets = make_batch(11, [3, 0, 5], num_groups * num_queries, 6, num_aux=1)
-    total, metrics = jax.jit(lambda o, t: dl.detr_loss(o, t, num_query_groups=num_groups))(
+    total, metrics = jax.jit(lambda o, t: dl.set_loss(o, t, num_query_groups=num_groups))(
         outputs, targets
     )
 

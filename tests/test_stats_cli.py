@@ -10,13 +10,13 @@ import pytest
 from scipy import stats as sps
 
 from ood_jax import stats
-from ood_jax.eval import cli as eval_cli
+from ood_jax.stats import cli as stats_command
 
 
 def stats_cli(argv: list[str], capsys) -> dict:
     """Runs `ood-jax stats ... --json` and returns the printed JSON."""
     parser = argparse.ArgumentParser(prog="ood-jax")
-    eval_cli.add_parsers(parser.add_subparsers(dest="command", required=True))
+    stats_command.add_parsers(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["stats", *argv, "--json"])
     returned = args.run(args)
     printed = json.loads(capsys.readouterr().out)
@@ -26,7 +26,7 @@ def stats_cli(argv: list[str], capsys) -> dict:
 
 def stats_text(argv: list[str], capsys) -> str:
     parser = argparse.ArgumentParser(prog="ood-jax")
-    eval_cli.add_parsers(parser.add_subparsers(dest="command", required=True))
+    stats_command.add_parsers(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["stats", *argv])
     args.run(args)
     return capsys.readouterr().out

@@ -10,7 +10,8 @@ import pytest
 import tensorflow_datasets as tfds
 
 from ood_jax import boxes as box_lib
-from ood_jax.data import building, counts, synthetic_render
+from ood_jax import datasets
+from ood_jax.data import counts, synthetic_render
 
 TINY = {"train": 8, "test": 4}
 SIZE_RANGE = (96, 128)
@@ -19,7 +20,7 @@ SIZE_RANGE = (96, 128)
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> tuple[tfds.core.DatasetBuilder, pathlib.Path]:
     data_dir = tmp_path_factory.mktemp("synthetic")
-    return building.build("synthetic_shifts", str(data_dir), config="tiny"), data_dir
+    return datasets.build("synthetic_shifts", str(data_dir), config="tiny"), data_dir
 
 
 def _examples(builder: tfds.core.DatasetBuilder, split: str, decode: bool = True) -> list[dict]:

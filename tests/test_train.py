@@ -34,7 +34,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from ood_jax import cli
-from ood_jax.data import building, counts, pipeline
+from ood_jax import datasets
+from ood_jax.data import counts, pipeline
 from ood_jax.metrics import coco
 from ood_jax.train import train
 
@@ -72,7 +73,7 @@ def compile_cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tfds")
-    building.build("synthetic_shifts", str(path), config="tiny")
+    datasets.build("synthetic_shifts", str(path), config="tiny")
     return path
 
 
@@ -229,6 +230,7 @@ ONE_STEP = textwrap.dedent(
 
     import jax, ml_collections, numpy as np
 
+    from ood_jax import sharding
     from ood_jax.data import pipeline
     from ood_jax.train import train
 
@@ -247,17 +249,17 @@ ONE_STEP = textwrap.dedent(
         config.dataset.data_dir = data_dir
         config.mesh = [tuple(axis) for axis in mesh]
         config.partition_rules = [tuple(rule) for rule in rules]
-        env = train.setup(config, pathlib.Path(workdir) / name)
+        experiment = train.setup(config, pathlib.Path(workdir) / name)
+        initial = train.initial_state(config, experiment)
         train_input = ml_collections.ConfigDict(config.input.to_dict())
         train_input.seed = config.seed
-        host = next(pipeline.train_iterator(env["builder"], env["splits"]["train"], train_input))
-        batch = pipeline.to_global_array(
-            {k: v for k, v in host.items() if k != "image_id"}, env["data_sharding"]
-        )
+        host = pipeline.train_iterator(experiment.builder, experiment.splits["train"], train_input)
+        batches = sharding.start_global(host, experiment.data_sharding, pipeline.HOST_ONLY_KEYS)
+        batch, _ = next(batches)
         assert len(batch["image"].sharding.device_set) == devices
-        step = train.jit_train_step(config, env)
-        before = flat({"params": env["state"].params, "model_state": env["state"].model_state})
-        state, metrics = step(env["state"], batch, env["train_rng"])
+        step = train.jit_train_step(config, experiment)
+        before = flat({"params": initial.params, "model_state": initial.model_state})
+        state, metrics = step(initial, batch, experiment.train_rng)
         after = flat({"params": state.params, "model_state": state.model_state})
         arrays = {**{"before" + k: v for k, v in before.items()}, **after}
         arrays.update({"metric/" + k: np.asarray(v) for k, v in metrics.items()})
@@ -441,18 +443,20 @@ def test_pretrained_backbone_enters_the_detector(tmp_path, data_dir):
     from ood_jax.train import pretrain
 
     config = smoke_config(data_dir, pretrain__steps=3, pretrain__batch_size=4, log_every=1)
-    env = train.setup(smoke_config(data_dir), tmp_path / "fresh")
+    experiment = train.setup(smoke_config(data_dir), tmp_path / "fresh")
     builder = tfds.builder(config.dataset.name, data_dir=str(data_dir))
     path = pretrain.pretrain_backbone(
-        config, builder, env["splits"]["train"], tmp_path / "backbone.msgpack"
+        config, builder, experiment.splits["train"], tmp_path / "backbone.msgpack"
     )
     written = serialization.msgpack_restore(path.read_bytes())
-    fresh = env["state"]
+    fresh = train.initial_state(smoke_config(data_dir), experiment)
     # The pretraining moved the weights away from the detector's own initialization.
     kernel = np.asarray(written["params"]["stem_conv"]["kernel"])
     assert not np.allclose(kernel, np.asarray(fresh.params["backbone"]["stem_conv"]["kernel"]))
 
-    loaded = train.load_pretrained_backbone(fresh, config.model.args, path, env["state_sharding"])
+    loaded = train.load_pretrained_backbone(
+        fresh, config.model.args, path, experiment.state_sharding
+    )
     np.testing.assert_array_equal(loaded.params["backbone"]["stem_conv"]["kernel"], kernel)
     np.testing.assert_array_equal(
         loaded.model_state["batch_stats"]["backbone"]["stem_norm"]["mean"],
@@ -461,6 +465,31 @@ def test_pretrained_backbone_enters_the_detector(tmp_path, data_dir):
     np.testing.assert_array_equal(
         loaded.params["input_projection"]["kernel"], fresh.params["input_projection"]["kernel"]
     )
+
+
+def test_pretraining_is_a_stage_of_its_own(tmp_path, data_dir):
+    """`ood-jax pretrain` writes the backbone once; `evaluate` never pretrains."""
+    workdir = tmp_path / "run"
+    overrides = {"pretrain__steps": 2, "pretrain__batch_size": 4, "log_every": 1}
+    argv = ["pretrain", *train_argv(workdir, data_dir, **overrides)[1:]]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        cli.main(argv)
+    path = workdir / train.PRETRAINED_BACKBONE
+    assert path.is_file() and "backbone pretraining 2/2" in out.getvalue()
+    written = path.read_bytes()
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        cli.main(argv)
+    assert "exists, kept" in out.getvalue() and path.read_bytes() == written
+
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        train.evaluate(smoke_config(data_dir, **overrides), str(tmp_path / "other"))
+    assert not (tmp_path / "other" / train.PRETRAINED_BACKBONE).exists()
+
+    with pytest.raises(SystemExit, match="config.pretrain.steps"):
+        cli.main(["pretrain", *train_argv(tmp_path / "none", data_dir)[1:]])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -493,7 +522,7 @@ def test_dino_smoke_run_keeps_the_frozen_backbone_and_exports(tmp_path, data_dir
 
     config = config_files.load(config_file, "smoke")
     config.dataset.data_dir = str(data_dir)
-    initial = train.setup(config, tmp_path / "fresh")["state"].params
+    initial = train.initial_state(config, train.setup(config, tmp_path / "fresh")).params
     final = load_state(workdir, 3)
     backbone = [k for k in final if "['backbone']" in k and "['params']" in k]
     assert backbone

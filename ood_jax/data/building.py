@@ -172,30 +172,3 @@ class SourceBuilder:
                 f"{self.name}: source directory {manual} does not exist (pass --source)"
             )
         return pathlib.Path(manual)
-
-
-def build(
-    name: str,
-    data_dir: str,
-    source: str | None = None,
-    config: str | None = None,
-    on_error: str = "fail",
-):
-    """Builds dataset `name` into `data_dir`; returns the prepared builder (with `.report`)."""
-    import tensorflow_datasets as tfds
-
-    import tfds_builders  # noqa: F401  (registers our builders)
-
-    try:
-        builder_cls = tfds.builder_cls(name)
-    except tfds.core.registered.DatasetNotFoundError:
-        raise BuildError(
-            f"unknown dataset {name!r}; ours are {', '.join(tfds_builders.NAMES)}"
-        ) from None
-    kwargs = {"data_dir": data_dir, "config": config}
-    if issubclass(builder_cls, SourceBuilder):
-        kwargs["on_error"] = on_error
-    builder = builder_cls(**kwargs)
-    download_config = tfds.download.DownloadConfig(manual_dir=source) if source else None
-    builder.download_and_prepare(download_config=download_config)
-    return builder

@@ -1,4 +1,6 @@
-"""Detection input pipeline: TFDS records -> augmented, padded host batches -> global jax.Arrays.
+"""Detection input pipeline: TFDS records -> augmented, padded host batches (numpy).
+
+`ood_jax.sharding.start_global` turns the host batches into global jax.Arrays.
 
 A batch is a flat dict of numpy arrays (B = per-host batch, S = `image_size`, M = `max_boxes`):
 
@@ -40,9 +42,8 @@ seed, split, batch size, shuffle buffer or process count changes the sequence. (
 
 Typical use, on every host:
 
-    sharding = NamedSharding(mesh, PartitionSpec("data"))
     batches = train_iterator(builder, "train_dim+train_snow", config, start_step=step)
-    for batch in global_iterator(batches, sharding):
+    for batch, _ in sharding.start_global(batches, data_sharding, HOST_ONLY_KEYS):
         state = train_step(state, batch)
 """
 
@@ -50,7 +51,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -58,11 +59,13 @@ import ml_collections
 import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
-from jax.experimental import multihost_utils
 
 from ood_jax import boxes as box_lib
 
 Batch = dict[str, np.ndarray]
+
+# Fields that never go to a device: jax without x64 would truncate an int64 id.
+HOST_ONLY_KEYS = ("image_id",)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -438,47 +441,6 @@ def eval_dataset(
         .batch(batch, drop_remainder=True)
         .prefetch(tf.data.AUTOTUNE)
     )
-
-
-# ------------------------------------------------------------------------------------------------
-# Global arrays.
-# ------------------------------------------------------------------------------------------------
-
-
-def to_global_array(
-    batch: Mapping[str, np.ndarray], sharding: jax.sharding.NamedSharding
-) -> dict[str, jax.Array]:
-    """Per-host batches -> global arrays whose batch dim is sharded as `sharding` says.
-
-    `sharding` is typically `NamedSharding(mesh, PartitionSpec("data"))`; every host passes its
-    own local batch and gets arrays of the global batch.
-    """
-    arrays = {name: np.asarray(value) for name, value in batch.items()}
-    if not jax.config.jax_enable_x64:
-        for name, value in arrays.items():
-            if value.dtype in (np.int64, np.uint64):
-                raise ValueError(
-                    f"field {name!r} is {value.dtype}, which jax without x64 would truncate; "
-                    "keep it on the host"
-                )
-    return {
-        name: jax.make_array_from_process_local_data(sharding, value)
-        for name, value in arrays.items()
-    }
-
-
-def global_iterator(
-    batches: Iterable[Mapping[str, np.ndarray]], sharding: jax.sharding.NamedSharding
-) -> Iterator[dict[str, jax.Array]]:
-    """`to_global_array` over an iterator of host batches."""
-    for batch in batches:
-        yield to_global_array(batch, sharding)
-
-
-def to_host_local(array: jax.Array, sharding: jax.sharding.NamedSharding) -> np.ndarray:
-    """The rows of a global batch-sharded array that this host fed in, e.g. model outputs."""
-    local = multihost_utils.global_array_to_host_local_array(array, sharding.mesh, sharding.spec)
-    return np.asarray(local)
 
 
 # ------------------------------------------------------------------------------------------------

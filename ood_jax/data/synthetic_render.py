@@ -38,7 +38,6 @@ from ood_jax.data import counts
 __all__ = [
     "CLASS_NAMES",
     "DOMAINS",
-    "contact_sheet",
     "image_id",
     "render_example",
     "render_split",
@@ -183,11 +182,6 @@ def _fbm(c: _Ctx, cells: float, octaves: int = 3, aniso=(1.0, 1.0), fy=None, fx=
         norm += amp
         amp *= 0.5
     return total / _F(norm)
-
-
-def _norm01(a: np.ndarray) -> np.ndarray:
-    lo, hi = float(a.min()), float(a.max())
-    return ((a - lo) / max(hi - lo, 1e-6)).astype(np.float32)
 
 
 def _white(c: _Ctx, shape=None) -> np.ndarray:
@@ -1148,25 +1142,3 @@ def render_split(
     return (
         split_example(seed, domain, i, size_range, max_objects) for i in range(int(num_examples))
     )
-
-
-def contact_sheet(
-    seed: int = 0, per_domain: int = 4, size: int = 144, draw_boxes: bool = True
-) -> np.ndarray:
-    """uint8 grid image: one row per domain, ``per_domain`` examples each (boxes in white)."""
-    pad = 4
-    H = len(DOMAINS) * (size + pad) + pad
-    W = per_domain * (size + pad) + pad
-    sheet = np.full((H, W, 3), 255, np.uint8)
-    for di, d in enumerate(DOMAINS):
-        for j in range(per_domain):
-            ex = split_example(seed, d, j, (size, size))
-            im = ex["image"].copy()
-            if draw_boxes:
-                for x, y, w, h in ex["boxes"].astype(int):
-                    x1, y1 = x + w - 1, y + h - 1
-                    im[y, x : x1 + 1] = im[y1, x : x1 + 1] = (255, 255, 255)
-                    im[y : y1 + 1, x] = im[y : y1 + 1, x1] = (255, 255, 255)
-            oy, ox = pad + di * (size + pad), pad + j * (size + pad)
-            sheet[oy : oy + size, ox : ox + size] = im
-    return sheet

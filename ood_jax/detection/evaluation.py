@@ -18,16 +18,16 @@ import tensorflow_datasets as tfds
 from jax.experimental import multihost_utils
 
 from ood_jax import boxes as box_lib
-from ood_jax import files
+from ood_jax import files, sharding
 from ood_jax.data import pipeline
 from ood_jax.metrics import coco
 
 
 def coco_ground_truth(builder: tfds.core.DatasetBuilder, split: str) -> coco.GroundTruth:
-    """The COCO ground truth of a detection split, without decoding its images.
+    """The COCO ground truth of a detection split, read as arrays without decoding its images.
 
-    Annotation ids are renumbered from 1: pycocotools (and so `metrics.coco`) treats a match
-    to an annotation with id 0 as no match.
+    Annotation ids are numbered from 1 in record order: pycocotools (and so `metrics.coco`)
+    treats a match to an annotation with id 0 as no match.
     """
     dataset = builder.as_dataset(
         split=split, decoders={"image": tfds.decode.SkipDecoding()}, shuffle_files=False
@@ -42,26 +42,30 @@ def coco_ground_truth(builder: tfds.core.DatasetBuilder, split: str) -> coco.Gro
             "is_crowd": ex["objects"]["is_crowd"],
         }
     )
-    names = builder.info.features["objects"]["label"].names
-    images, annotations = [], []
+    image_ids, columns = [], {"image_id": [], "label": [], "xywh": [], "area": [], "is_crowd": []}
     for ex in dataset.as_numpy_iterator():
         height, width = (int(v) for v in ex["size"])
-        images.append({"id": int(ex["id"]), "height": height, "width": width})
-        xywh = box_lib.xyxy_to_xywh(box_lib.scale(box_lib.yxyx_to_xyxy(ex["bbox"]), height, width))
-        for box, label, area, crowd in zip(xywh, ex["label"], ex["area"], ex["is_crowd"]):
-            annotations.append(
-                {
-                    "id": len(annotations) + 1,
-                    "image_id": int(ex["id"]),
-                    "category_id": int(label),
-                    "bbox": [float(v) for v in box],
-                    "area": float(area),
-                    "iscrowd": int(crowd),
-                }
-            )
-    categories = [{"id": i, "name": name} for i, name in enumerate(names)]
-    return coco.GroundTruth.from_coco(
-        {"images": images, "annotations": annotations, "categories": categories}
+        image_ids.append(int(ex["id"]))
+        columns["image_id"].append(np.full(len(ex["label"]), ex["id"], np.int64))
+        columns["xywh"].append(
+            box_lib.xyxy_to_xywh(box_lib.scale(box_lib.yxyx_to_xyxy(ex["bbox"]), height, width))
+            .astype(np.float64)
+            .reshape(-1, 4)
+        )
+        columns["label"].append(ex["label"])
+        columns["area"].append(ex["area"])
+        columns["is_crowd"].append(ex["is_crowd"])
+    column = {k: np.concatenate(v) if v else np.zeros((0,)) for k, v in columns.items()}
+    names = builder.info.features["objects"]["label"].names
+    return coco.GroundTruth.from_arrays(
+        image_ids=np.array(image_ids, np.int64),
+        categories=list(enumerate(names)),
+        annotation_image_ids=column["image_id"],
+        annotation_category_ids=column["label"],
+        boxes=column["xywh"],
+        area=column["area"],
+        is_crowd=column["is_crowd"],
+        annotation_ids=np.arange(1, len(column["label"]) + 1),
     )
 
 
@@ -76,15 +80,19 @@ def evaluate_split(
     """COCO evaluation of `predict` (a jitted batch -> postprocessed outputs) on one split."""
     ground_truth = ground_truth or coco_ground_truth(builder, split)
     image_ids, boxes, scores, labels = [], [], [], []
-    for batch in pipeline.eval_dataset(builder, split, input_config).as_numpy_iterator():
-        host = {k: v for k, v in batch.items() if k != "image_id"}
-        out = predict(pipeline.to_global_array(host, data_sharding))
-        out = {k: pipeline.to_host_local(v, data_sharding) for k, v in out.items()}
+    batches = sharding.start_global(
+        pipeline.eval_dataset(builder, split, input_config).as_numpy_iterator(),
+        data_sharding,
+        host_keys=(*pipeline.HOST_ONLY_KEYS, "valid", "orig_size"),
+    )
+    for batch, host in batches:
+        out = predict(batch)
+        out = {k: sharding.to_host_local(v, data_sharding) for k, v in out.items()}
         gathered = multihost_utils.process_allgather(
             {
-                "valid": batch["valid"],
-                "image_id": batch["image_id"],
-                "boxes": pipeline.coco_boxes(out["boxes"], batch["orig_size"]),
+                "valid": host["valid"],
+                "image_id": host["image_id"],
+                "boxes": pipeline.coco_boxes(out["boxes"], host["orig_size"]),
                 "scores": out["scores"],
                 "labels": out["labels"],
             },

@@ -10,7 +10,8 @@ accuracy where CLIP is right and where it is wrong.
 Any scorer works that has
   encode_images(list of uint8 HxWx3 arrays) -> [N, D] L2-normalized
   encode_texts(list[str], templates) -> [M, D] L2-normalized
-(as ood_jax.scorers provides).
+(as ood_jax.scorers provides). The items come from a task of ood_jax.eval.tasks; runs go through
+ood_jax.eval.runner; `ood-jax stats clip-conditional` (ood_jax.eval.cli) prints Fig. 4.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ood_jax.eval import runner
-from ood_jax.eval.bench_common import Benchmark, Item, ItemsError
+from ood_jax.eval.tasks.base import Benchmark, Item, ItemsError
 
 # CLIP's standard single zero-shot prompt; FOCI's exact template is not printed in the paper.
 DEFAULT_TEMPLATES = ("a photo of a {}.",)

@@ -11,6 +11,9 @@ received. A rerun into the same DIR:
 When every item has been handled the file is rewritten (atomically) with one line per item.
 results.json and results.md are written atomically at the end of every run, over the items of
 that run.
+
+The items and their scoring come from a Benchmark (ood_jax.eval.tasks.base; the tasks are in
+ood_jax.eval.tasks), the replies from a client of ood_jax.eval.clients.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 from ood_jax import files
-from ood_jax.eval.bench_common import Benchmark, Item
+from ood_jax.eval.tasks.base import Benchmark, Item
 from ood_jax.eval.clients import ClientError, Request
 
 PREDICTIONS_FILE = "predictions.jsonl"

@@ -89,11 +89,8 @@ class GroundTruth:
         for field in ("images", "annotations", "categories"):
             if field not in gt:
                 raise ValueError(f"ground truth has no '{field}' list")
-        image_ids = np.unique(np.array([im["id"] for im in gt["images"]], dtype=np.int64))
+        image_ids = np.array([im["id"] for im in gt["images"]], dtype=np.int64)
         categories = sorted(gt["categories"], key=operator.itemgetter("id"))
-        category_ids = np.array([c["id"] for c in categories], dtype=np.int64)
-        if len(np.unique(category_ids)) != len(category_ids):
-            raise ValueError("ground truth lists a category id twice")
         anns = gt["annotations"]
         n = len(anns)
         try:
@@ -112,20 +109,57 @@ class GroundTruth:
                 if not _has_fields(a, ("image_id", "category_id", "bbox", "id"))
             )
             raise ValueError(f"annotation {index}: missing or malformed field ({e!r})") from None
-        image_index = _index_of(ann_image, image_ids, "annotation", "image_id")
-        category_index = _index_of(ann_category, category_ids, "annotation", "category_id")
+        return cls.from_arrays(
+            image_ids=image_ids,
+            categories=[(int(c["id"]), str(c.get("name", c["id"]))) for c in categories],
+            annotation_image_ids=ann_image,
+            annotation_category_ids=ann_category,
+            boxes=boxes,
+            area=area,
+            is_crowd=crowd,
+            annotation_ids=ann_ids,
+        )
+
+    @classmethod
+    def from_arrays(
+        cls,
+        *,
+        image_ids: np.ndarray,
+        categories: Sequence[tuple[int, str]],
+        annotation_image_ids: np.ndarray,
+        annotation_category_ids: np.ndarray,
+        boxes: np.ndarray,
+        area: np.ndarray,
+        is_crowd: np.ndarray,
+        annotation_ids: np.ndarray,
+    ) -> "GroundTruth":
+        """The ground truth from arrays, one row per annotation (boxes absolute xywh), as a
+        dataset reader has them: no COCO dicts in between. `categories` is (id, name) pairs."""
+        image_ids = np.unique(np.asarray(image_ids, np.int64))
+        categories = sorted(categories)
+        category_ids = np.array([c for c, _ in categories], dtype=np.int64)
+        if len(np.unique(category_ids)) != len(category_ids):
+            raise ValueError("ground truth lists a category id twice")
+        boxes = np.asarray(boxes, np.float64).reshape(-1, 4)
+        area = np.asarray(area, np.float64)
+        image_index = _index_of(
+            np.asarray(annotation_image_ids, np.int64), image_ids, "annotation", "image_id"
+        )
+        category_index = _index_of(
+            np.asarray(annotation_category_ids, np.int64), category_ids, "annotation", "category_id"
+        )
         _check_finite_positive(boxes, "annotation", area)
         order = np.argsort(image_index * len(category_ids) + category_index, kind="stable")
         return cls(
             image_ids=image_ids,
             category_ids=category_ids,
-            category_names=tuple(str(c.get("name", c["id"])) for c in categories),
+            category_names=tuple(name for _, name in categories),
             image_index=image_index[order],
             category_index=category_index[order],
             boxes=boxes[order],
             area=area[order],
-            is_crowd=crowd[order],
-            annotation_ids=ann_ids[order],
+            is_crowd=np.asarray(is_crowd, bool)[order],
+            annotation_ids=np.asarray(annotation_ids, np.int64)[order],
         )
 
     @property

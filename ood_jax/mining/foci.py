@@ -44,13 +44,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from ood_jax import mining
+from ood_jax.data import foci as foci_source
 
-NUM_OPTIONS = 4
+NUM_OPTIONS = foci_source.NUM_OPTIONS
 DEFAULT_TEMPLATES = ("an image of a {}",)
 CLASS_NAMES_FILE = "class_names.json"
 IMAGES_DIR = "images"
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
-RELEASE_CONFIGS = ("food101", "flowers102", "fgvc_aircraft", "stanford_cars", "oxford_pet")
+RELEASE_CONFIGS = tuple(foci_source.RELEASE_TEST_SPLITS)
 FOLDER_CONFIGS = (
     "imagenet21k_animal",
     "imagenet21k_plant",
@@ -203,22 +204,20 @@ def config_name(dataset: str) -> str:
 
 def read_source(dataset: str, root: str | pathlib.Path) -> Source:
     """The images, labels and classes of FOCI config `dataset` under `root` (see module doc)."""
-    from tfds_builders.foci import foci_dataset_builder as builder
-
     name, root = config_name(dataset), pathlib.Path(root)
     if not root.is_dir():
         raise ValueError(f"{root}: source directory does not exist")
     if name in RELEASE_CONFIGS:
-        split = getattr(builder, f"{name}_test_split")(root)
+        split = foci_source.RELEASE_TEST_SPLITS[name](root)
         images = tuple(sorted(split.labels))
         return Source(
             root=root,
             images=images,
             labels=tuple(split.labels[i] for i in images),
             class_names=tuple(sorted(split.class_names)),
-            options_file=builder.RELEASE_OPTIONS_FILE,
+            options_file=foci_source.RELEASE_OPTIONS_FILE,
         )
-    return folder_source(root, builder.OPTIONS_FILE, names_required=name != "custom")
+    return folder_source(root, foci_source.OPTIONS_FILE, names_required=name != "custom")
 
 
 def folder_source(root: pathlib.Path, options_file: str, names_required: bool) -> Source:

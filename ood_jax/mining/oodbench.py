@@ -47,6 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ood_jax import mining
+from ood_jax.data import oodbench as oodbench_source
+from ood_jax.data.oodbench import category_text
 
 THRESHOLD = 0.05
 MAX_PER_SPLIT = 6000
@@ -179,11 +181,9 @@ class Pairs:
 
 def read_pairs(root: str | pathlib.Path) -> Pairs:
     """Every (image, category present in its annotations) pair, ordered by image then category."""
-    from tfds_builders.oodbench import oodbench_dataset_builder as builder
-
     root = pathlib.Path(root)
     # The builder's reader: the same validation, file names and presence rules as the build.
-    categories, _, images = builder._read_annotations(root / "annotations.json")
+    categories, _, images = oodbench_source.read_annotations(root / "annotations.json")
     image_ids, category_ids, files = [], [], {}
     for image_id in sorted(images):
         present = images[image_id].annotated()
@@ -199,11 +199,6 @@ def read_pairs(root: str | pathlib.Path) -> Pairs:
         image_files=files,
         category_names=dict(sorted(categories.items())),
     )
-
-
-def category_text(name: str) -> str:
-    # LVIS names join words with underscores ("baseball_bat").
-    return name.replace("_", " ")
 
 
 def score_pairs(

@@ -65,9 +65,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from ood_jax import boxes as box_lib
-from ood_jax import files
+from ood_jax import files, prompts
 from ood_jax.data import counts
-from ood_jax import prompts
 from ood_jax.metrics import coco
 
 TASKS = ("grounding", "localization", "mapping")
@@ -515,19 +514,18 @@ def _item(test: Question, examples: Sequence[Question], setting: str) -> dict:
 
 def load_builder(dataset: str, data_dir: str):
     """The built TFDS dataset "counts" or "synthetic_shifts/CONFIG" in data_dir."""
-    import tensorflow_datasets as tfds
-
-    import tfds_builders  # noqa: F401  (registers the builders)
+    # TensorFlow loads only when a dataset is read, so `ood-jax --help` stays quick.
+    from ood_jax import datasets
 
     name = dataset.split("/", 1)[0]
     if name not in ("counts", "synthetic_shifts"):
         raise ValueError(f"unknown dataset {dataset!r}; expected counts or synthetic_shifts/CONFIG")
-    builder = tfds.builder(dataset, data_dir=data_dir)
-    if not builder.is_prepared():
+    try:
+        return datasets.load(dataset, data_dir)
+    except FileNotFoundError:
         raise ValueError(
             f"{dataset} is not built in {data_dir} (ood-jax build {name} --data-dir {data_dir})"
-        )
-    return builder
+        ) from None
 
 
 def read_records(builder, split: str, domains: Sequence[str] | None = None) -> list[Record]:

@@ -1,103 +1,49 @@
-"""PyTorch checkpoints -> Flax variables for `resnet.ResNet` and `detr.DETR`.
+"""transformers DETR checkpoints -> Flax `detr.DETR`, and the PyTorch converters' public names.
 
-  * `detr_from_hf(path)`: a transformers `DetrForObjectDetection` directory (config.json plus
-    model.safetensors, or pytorch_model.bin read with `torch.load(weights_only=True)`), with a
-    timm backbone (`use_timm_backbone=True`, as facebook/detr-resnet-50) or a transformers
-    `ResNetConfig` backbone. Returns `(module, variables)`.
-  * `resnet_from_torch(state_dict, module)`: a torchvision or timm ResNet/ResNeXt state dict
-    (ImageNet weights, the paper's starting point) -> variables for `module`.
-
-A conversion is a table of rules. A rule maps a source *module* path (the key without its last
-component, matched by a full regex) to a target module path (a template or a function of the
-match) and names the kind of layer, which decides how each leaf is renamed and laid out:
-
-  kind        source leaf -> target leaf      layout
-  conv        weight -> kernel, bias -> bias  OIHW -> HWIO
-  linear      weight -> kernel, bias -> bias  [out, in] -> [in, out]
-  batchnorm   weight, bias, running_mean, running_var -> scale, bias, mean, var
-              (num_batches_tracked is a step counter, not a weight, and is dropped)
-  layernorm   weight, bias -> scale, bias
-  embedding   weight -> embedding
-  drop        every leaf dropped (the ImageNet classifier `fc`: a backbone has no head)
-
-The target's collection ("params" or "batch_stats") comes from the module's own variable tree,
-so frozen and trainable BatchNorm load from the same table. Conversion fails, naming the keys,
-when a source tensor matches no rule or no target (KeyError), a target is left unfilled
-(KeyError), or a shape or a double assignment disagrees (ValueError). Nothing is skipped
-silently.
+* `detr_from_hf(path)`: a transformers `DetrForObjectDetection` directory (config.json plus
+  model.safetensors, or pytorch_model.bin read with `torch.load(weights_only=True)`), with a
+  timm backbone (`use_timm_backbone=True`, as facebook/detr-resnet-50) or a transformers
+  `ResNetConfig` backbone. Returns `(module, variables)`.
+* `resnet_from_torch(state_dict, module)`, `load_state_dict(path)`, `convert(...)` and the
+  ResNet rule tables are those of `ood_jax.models.convert_torch` (rule tables, strict key
+  accounting; described there), importable from here too.
 """
 
 import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
-import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import traverse_util
 
-from ood_jax.models import detr, resnet
+from ood_jax.models import detr
+from ood_jax.models.convert_torch import (
+    HF_RESNET_RULES,
+    TORCHVISION_RESNET_RULES,
+    Rule,
+    Target,
+    abstract_variables,
+    convert,
+    hf_backbone,
+    load_state_dict,
+    prefixed,
+    require,
+    resnet_from_torch,
+    timm_backbone,
+)
 
-Target = str | Callable[[re.Match], str]
-Rule = tuple[str, Target | None, str]
-
-_LEAVES: dict[str, dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]] | None]] = {
-    "conv": {"weight": ("kernel", lambda w: w.transpose(2, 3, 1, 0)), "bias": ("bias", np.asarray)},
-    "linear": {"weight": ("kernel", lambda w: w.T), "bias": ("bias", np.asarray)},
-    "batchnorm": {
-        "weight": ("scale", np.asarray),
-        "bias": ("bias", np.asarray),
-        "running_mean": ("mean", np.asarray),
-        "running_var": ("var", np.asarray),
-        "num_batches_tracked": None,
-    },
-    "layernorm": {"weight": ("scale", np.asarray), "bias": ("bias", np.asarray)},
-    "embedding": {"weight": ("embedding", np.asarray)},
-}
-
-# torchvision and timm share one ResNet layout.
-TORCHVISION_RESNET_RULES: list[Rule] = [
-    (r"conv1", "stem_conv", "conv"),
-    (r"bn1", "stem_norm", "batchnorm"),
-    (r"layer(\d)\.(\d+)\.conv(\d)", r"stage\1_block\2/conv\3", "conv"),
-    (r"layer(\d)\.(\d+)\.bn(\d)", r"stage\1_block\2/norm\3", "batchnorm"),
-    (r"layer(\d)\.(\d+)\.downsample\.0", r"stage\1_block\2/proj_conv", "conv"),
-    (r"layer(\d)\.(\d+)\.downsample\.1", r"stage\1_block\2/proj_norm", "batchnorm"),
-    (r"fc", None, "drop"),
-]
-
-
-def _hf_stage_block(m: re.Match, leaf: str) -> str:
-    # transformers counts stages and the layers inside a block from 0.
-    return f"stage{int(m[1]) + 1}_block{m[2]}/{leaf}"
-
-
-# transformers' ResNetModel / ResNetBackbone layout.
-HF_RESNET_RULES: list[Rule] = [
-    (r"embedder\.embedder\.convolution", "stem_conv", "conv"),
-    (r"embedder\.embedder\.normalization", "stem_norm", "batchnorm"),
-    (
-        r"encoder\.stages\.(\d)\.layers\.(\d+)\.layer\.(\d)\.convolution",
-        lambda m: _hf_stage_block(m, f"conv{int(m[3]) + 1}"),
-        "conv",
-    ),
-    (
-        r"encoder\.stages\.(\d)\.layers\.(\d+)\.layer\.(\d)\.normalization",
-        lambda m: _hf_stage_block(m, f"norm{int(m[3]) + 1}"),
-        "batchnorm",
-    ),
-    (
-        r"encoder\.stages\.(\d)\.layers\.(\d+)\.shortcut\.convolution",
-        lambda m: _hf_stage_block(m, "proj_conv"),
-        "conv",
-    ),
-    (
-        r"encoder\.stages\.(\d)\.layers\.(\d+)\.shortcut\.normalization",
-        lambda m: _hf_stage_block(m, "proj_norm"),
-        "batchnorm",
-    ),
+__all__ = [
+    "DETR_RULES",
+    "HF_RESNET_RULES",
+    "TORCHVISION_RESNET_RULES",
+    "Rule",
+    "Target",
+    "convert",
+    "detr_from_hf",
+    "detr_module_from_config",
+    "load_state_dict",
+    "resnet_from_torch",
 ]
 
 # transformers' DetrForObjectDetection, after `_canonical_detr_key`; Flax names mirror it.
@@ -129,187 +75,31 @@ _DETR_RENAMES = [
 ]
 
 
-def _prefixed(rules: Sequence[Rule], source: str, target: str) -> list[Rule]:
-    """Rules for a sub-model whose keys start with `source` and land under `target`."""
-
-    def shift(dst: Target | None) -> Target | None:
-        if dst is None:
-            return None
-        if callable(dst):
-            return lambda m: target + dst(m)
-        return target + dst
-
-    return [(source + pattern, shift(dst), kind) for pattern, dst, kind in rules]
-
-
-def _numpy(value: Any) -> np.ndarray:
-    if hasattr(value, "detach"):  # a torch tensor; numpy has no bfloat16, so widen first
-        value = value.detach().cpu()
-        if value.is_floating_point():
-            value = value.float()
-        return value.numpy()
-    return np.asarray(value)
-
-
-def _abstract_variables(module: Any, image_size: int = 64) -> dict[str, Any]:
-    # Parameter shapes do not depend on the image size; 64 px survives the stride of 32.
-    images = jax.ShapeDtypeStruct((1, image_size, image_size, 3), jnp.float32)
-    return jax.eval_shape(module.init, jax.random.key(0), images)
-
-
-def _first_match(rules: Sequence[Rule], module_path: str) -> tuple[Rule, re.Match] | None:
-    for rule in rules:
-        match = re.fullmatch(rule[0], module_path)
-        if match:
-            return rule, match
-    return None
-
-
-def convert(
-    state_dict: Mapping[str, Any], rules: Sequence[Rule], abstract: Mapping[str, Any]
-) -> dict[str, Any]:
-    """Fills the variable tree `abstract` (shapes only) from `state_dict` by `rules`."""
-    targets = {}  # "a/b/leaf" -> (collection, ShapeDtypeStruct)
-    for path, leaf in traverse_util.flatten_dict(abstract).items():
-        targets["/".join(path[1:])] = (path[0], leaf)
-
-    filled: dict[str, str] = {}  # target -> source key
-    out: dict[tuple[str, ...], np.ndarray] = {}
-    unused, errors = [], []
-    for key in sorted(state_dict):
-        module_path, _, leaf = key.rpartition(".")
-        found = _first_match(rules, module_path)
-        if found is None:
-            unused.append(key)
-            continue
-        (_, dst, kind), match = found
-        if kind == "drop":
-            continue
-        if leaf not in _LEAVES[kind]:
-            unused.append(key)
-            continue
-        leaf_rule = _LEAVES[kind][leaf]
-        if leaf_rule is None:
-            continue
-        base = dst(match) if callable(dst) else match.expand(dst)
-        target = f"{base}/{leaf_rule[0]}"
-        if target not in targets:
-            unused.append(f"{key} (-> {target}, which the module does not have)")
-            continue
-        if target in filled:
-            errors.append(f"{target} filled by both {filled[target]} and {key}")
-            continue
-        collection, spec = targets[target]
-        value = leaf_rule[1](_numpy(state_dict[key]))
-        if value.shape != spec.shape:
-            errors.append(f"{key} -> {target}: shape {value.shape}, expected {spec.shape}")
-            continue
-        filled[target] = key
-        out[(collection, *target.split("/"))] = value.astype(spec.dtype)
-
-    missing = sorted(set(targets) - set(filled))
-    if errors:
-        raise ValueError("checkpoint does not fit the module:\n  " + "\n  ".join(errors))
-    if unused or missing:
-        raise KeyError(
-            f"checkpoint and module disagree: {len(unused)} source tensors unused "
-            f"{unused}; {len(missing)} target variables unfilled {missing}"
-        )
-    return jax.tree.map(jnp.asarray, traverse_util.unflatten_dict(out))
-
-
-def resnet_from_torch(state_dict: Mapping[str, Any], module: resnet.ResNet) -> dict[str, Any]:
-    """torchvision/timm ResNet state dict -> variables of `module` (its `norm` decides where
-    BatchNorm tensors go). The classifier `fc` is dropped."""
-    return convert(state_dict, TORCHVISION_RESNET_RULES, _abstract_variables(module))
-
-
-def load_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """Tensors from a checkpoint directory (model.safetensors, else pytorch_model.bin) or a
-    single .safetensors / .pth / .bin file; torch files are read with weights_only=True, never
-    as arbitrary pickles."""
-    path = Path(path)
-    if path.is_dir():
-        candidates = [path / "model.safetensors", path / "pytorch_model.bin"]
-        path = next((c for c in candidates if c.exists()), None)
-        if path is None:
-            raise FileNotFoundError(
-                f"{candidates[0].parent}: neither model.safetensors nor pytorch_model.bin"
-            )
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such checkpoint file")
-    if path.suffix == ".safetensors":
-        from safetensors.numpy import load_file
-
-        return load_file(path)
-    import torch
-
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    state = state.get("state_dict", state.get("model", state))
-    return {k: _numpy(v) for k, v in state.items()}
-
-
 def _canonical_detr_key(key: str) -> str:
     for pattern, repl in _DETR_RENAMES:
         key = re.sub(pattern, repl, key)
     return key
 
 
-def _require(ok: bool, field: str, value: Any, supported: str) -> None:
-    if not ok:
-        raise ValueError(f"config.json: {field}={value!r} is not supported ({supported})")
-
-
-def _timm_backbone(cfg: Any) -> tuple[str, bool]:
-    """(resnet.ARCHS name, dilation) of a `timm_backbone` config."""
-    # Pretrained tags ("resnet50.a1_in1k") and hub prefixes ("timm/") name the same layout.
-    name = cfg.backbone.split("/")[-1].split(".")[0]
-    _require(name in resnet.ARCHS, "backbone", cfg.backbone, f"one of {sorted(resnet.ARCHS)}")
-    out_indices = list(cfg.out_indices or [4])
-    _require(out_indices[-1] == 4, "out_indices", out_indices, "last must be 4")
-    stride = cfg.output_stride or 32
-    _require(stride in (16, 32), "output_stride", stride, "16 or 32")
-    return name, stride == 16
-
-
-def _hf_backbone(cfg: Any, dtype: Any) -> resnet.ResNet:
-    """A `resnet.ResNet` for a transformers `ResNetConfig`."""
-    _require(cfg.layer_type in resnet.BLOCKS, "layer_type", cfg.layer_type, "basic or bottleneck")
-    _require(cfg.hidden_act == "relu", "hidden_act", cfg.hidden_act, "relu")
-    _require(not cfg.downsample_in_first_stage, "downsample_in_first_stage", True, "False")
-    # Only the torchvision "v1.5" stride placement (in the 3x3) is implemented.
-    _require(not cfg.downsample_in_bottleneck, "downsample_in_bottleneck", True, "False")
-    _require(cfg.out_features[-1] == "stage4", "out_features", cfg.out_features, "last stage4")
-    expansion = resnet.BLOCKS[cfg.layer_type].expansion
-    return resnet.ResNet(
-        stage_sizes=tuple(cfg.depths),
-        block=cfg.layer_type,
-        planes=tuple(h // expansion for h in cfg.hidden_sizes),
-        stem_width=cfg.embedding_size,
-        norm="frozen",
-        dtype=dtype,
-    )
-
-
 def detr_module_from_config(config: Any, dtype: Any = jnp.float32) -> tuple[detr.DETR, list[Rule]]:
     """The `DETR` a transformers `DetrConfig` describes, and the rules for its checkpoint."""
     pos_type, act = config.position_embedding_type, config.activation_function
-    _require(pos_type == "sine", "position_embedding_type", pos_type, "sine")
-    _require(act == "relu", "activation_function", act, "relu")
+    require(pos_type == "sine", "position_embedding_type", pos_type, "sine")
+    require(act == "relu", "activation_function", act, "relu")
     heads = (config.encoder_attention_heads, config.decoder_attention_heads)
-    _require(heads[0] == heads[1], "encoder/decoder_attention_heads", heads, "must be equal")
+    require(heads[0] == heads[1], "encoder/decoder_attention_heads", heads, "must be equal")
     ffn = (config.encoder_ffn_dim, config.decoder_ffn_dim)
-    _require(ffn[0] == ffn[1], "encoder/decoder_ffn_dim", ffn, "must be equal")
+    require(ffn[0] == ffn[1], "encoder/decoder_ffn_dim", ffn, "must be equal")
 
     backbone_cfg = config.backbone_config
     prefix = r"model\.backbone\.model\."
     if backbone_cfg.model_type == "timm_backbone":
-        backbone, dilation = _timm_backbone(backbone_cfg)
-        rules = _prefixed(TORCHVISION_RESNET_RULES, prefix, "backbone/")
+        backbone, dilation = timm_backbone(backbone_cfg)
+        rules = prefixed(TORCHVISION_RESNET_RULES, prefix, "backbone/")
     elif backbone_cfg.model_type == "resnet":
         # transformers ignores `dilation` for this backbone, and so does the module.
-        backbone, dilation = _hf_backbone(backbone_cfg, dtype), False
-        rules = _prefixed(HF_RESNET_RULES, prefix, "backbone/")
+        backbone, dilation = hf_backbone(backbone_cfg, dtype), False
+        rules = prefixed(HF_RESNET_RULES, prefix, "backbone/")
     else:
         raise ValueError(
             f"config.json: backbone_config.model_type={backbone_cfg.model_type!r} is not "
@@ -346,7 +136,7 @@ def detr_from_hf(
     path = Path(path)
     with open(path / "config.json") as f:
         architectures = json.load(f).get("architectures") or []
-    _require(
+    require(
         architectures in ([], ["DetrForObjectDetection"]),
         "architectures",
         architectures,
@@ -354,4 +144,4 @@ def detr_from_hf(
     )
     module, rules = detr_module_from_config(DetrConfig.from_pretrained(path), dtype)
     state = {_canonical_detr_key(k): v for k, v in load_state_dict(path).items()}
-    return module, convert(state, rules, _abstract_variables(module))
+    return module, convert(state, rules, abstract_variables(module))

@@ -9,7 +9,7 @@
     checkpoints (`checkpoint0011_4scale.pth` and the other DINO-4scale ResNet-50/101 releases,
     `{"model": state_dict, ...}` as its `main.py` saves them). Returns `(module, variables)`.
 
-Both use the rule tables and the strict key accounting of `ood_jax.models.convert` (every source
+Both use the rule tables and the strict key accounting of `ood_jax.models.convert_torch` (every source
 tensor used or explicitly dropped, every target filled, shapes checked), after a canonicalizing
 pass that
   * renames transformers' saved (legacy) names to the live module names, as for DETR;
@@ -69,8 +69,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ood_jax.models import convert, deformable_detr, dino, resnet
-from ood_jax.models.convert import Rule
+from ood_jax.models import convert_torch, deformable_detr, dino, resnet
+from ood_jax.models.convert_torch import Rule
 
 # transformers' DeformableDetrForObjectDetection after `_canonical_keys`.
 DEFORMABLE_DETR_RULES: list[Rule] = [
@@ -156,7 +156,7 @@ def _canonical_keys(
     for key, value in state.items():
         for pattern, repl in renames:
             key = re.sub(pattern, repl, key)
-        value = convert._numpy(value)
+        value = convert_torch.to_numpy(value)
         packed = re.fullmatch(r"(.*\.self_attn)\.in_proj_(weight|bias)", key)
         if packed:
             # nn.MultiheadAttention stacks the q, k and v projections along the output axis.
@@ -227,14 +227,14 @@ def _backbone(
     cfg = config.backbone_config
     prefix = r"model\.backbone\.model\."
     if cfg.model_type == "timm_backbone":
-        name, dilation = convert._timm_backbone(cfg)
+        name, dilation = convert_torch.timm_backbone(cfg)
         stages = tuple(f"stage{i}" for i in (cfg.out_indices or [4]))
-        rules = convert._prefixed(convert.TORCHVISION_RESNET_RULES, prefix, "backbone/")
+        rules = convert_torch.prefixed(convert_torch.TORCHVISION_RESNET_RULES, prefix, "backbone/")
         return name, dilation, stages, rules
     if cfg.model_type == "resnet":
         stages = tuple(cfg.out_features)
-        rules = convert._prefixed(convert.HF_RESNET_RULES, prefix, "backbone/")
-        return convert._hf_backbone(cfg, dtype), False, stages, rules
+        rules = convert_torch.prefixed(convert_torch.HF_RESNET_RULES, prefix, "backbone/")
+        return convert_torch.hf_backbone(cfg, dtype), False, stages, rules
     raise ValueError(
         f"config.json: backbone_config.model_type={cfg.model_type!r} is not supported "
         "(timm_backbone or resnet)"
@@ -246,7 +246,7 @@ def deformable_detr_from_config(
 ) -> tuple[deformable_detr.DeformableDetr, list[Rule], dict[str, np.ndarray]]:
     """The module a `DeformableDetrConfig` and its (canonical) state describe, its rules, and
     the state with tied heads folded."""
-    require = convert._require
+    require = convert_torch.require
     require(
         config.position_embedding_type == "sine",
         "position_embedding_type",
@@ -308,17 +308,17 @@ def deformable_detr_from_hf(
     path = Path(path)
     with open(path / "config.json") as f:
         architectures = json.load(f).get("architectures") or []
-    convert._require(
+    convert_torch.require(
         architectures in ([], ["DeformableDetrForObjectDetection"]),
         "architectures",
         architectures,
         "DeformableDetrForObjectDetection",
     )
     config = DeformableDetrConfig.from_pretrained(path)
-    state = _canonical_keys(convert.load_state_dict(path), _HF_RENAMES)
+    state = _canonical_keys(convert_torch.load_state_dict(path), _HF_RENAMES)
     module, rules, state = deformable_detr_from_config(config, state, dtype)
     abstract = _abstract(module, module.num_queries if module.two_stage else 0)
-    return module, convert.convert(state, rules, abstract)
+    return module, convert_torch.convert(state, rules, abstract)
 
 
 # --------------------------------------------------------------------------------------------
@@ -391,8 +391,10 @@ def dino_from_official(
         backbone_stages=tuple(f"stage{i}" for i in range(5 - backbone_levels, 5)),
         dtype=dtype,
     )
-    rules = convert._prefixed(convert.TORCHVISION_RESNET_RULES, r"backbone\.0\.body\.", "backbone/")
-    return module, convert.convert(state, rules + DINO_RULES, _abstract(module, num_queries))
+    rules = convert_torch.prefixed(
+        convert_torch.TORCHVISION_RESNET_RULES, r"backbone\.0\.body\.", "backbone/"
+    )
+    return module, convert_torch.convert(state, rules + DINO_RULES, _abstract(module, num_queries))
 
 
 def load_official_dino(path: str | os.PathLike, **kwargs: Any) -> tuple[dino.DINO, dict[str, Any]]:

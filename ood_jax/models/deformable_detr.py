@@ -26,19 +26,27 @@ The pipeline, in blocks this module exports for `ood_jax.models.dino`:
 Padding. Valid ratios, reference points and proposals follow the reference implementation; a
 fully padded (filler) example keeps finite values (its valid extent counts as one pixel) instead
 of dividing by zero, so it cannot turn a batch's loss into NaN.
+
+The family's surface (`ood_jax.models.registry`): `Model` (`DeformableDetr`), `postprocess`,
+`make_loss` (Hungarian matching on focal costs and the focal set loss of
+`ood_jax.models.focal_set_loss`) and `load_backbone` (`ood_jax.models.backbones.load_backbone`).
 """
 
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
-from ood_jax.models import conv, detr, resnet, vit
+from ood_jax.models import backbones, conv, detr
+from ood_jax.models.backbones import load_backbone as load_backbone
 from ood_jax.models.deformable_attention import MultiScaleDeformableAttention, SpatialShapes
+from ood_jax.models.position_embedding import sine_embedding, sine_position_embedding
+from ood_jax.models.registry import LossFn
 
 LN_EPS = 1e-5
 GN_EPS = 1e-5
@@ -54,33 +62,6 @@ def inverse_sigmoid(x: jax.Array, eps: float = 1e-5) -> jax.Array:
     """log(x / (1 - x)) with both clamped to eps, as the reference implementations do."""
     x = jnp.clip(x, 0.0, 1.0)
     return jnp.log(jnp.maximum(x, eps) / jnp.maximum(1.0 - x, eps))
-
-
-def sine_embedding(coords: jax.Array, num_features: int, temperature: float = 10000.0) -> jax.Array:
-    """[..., n] angles -> [..., n * num_features]: per coordinate, in the given order, the
-    sines and cosines of coord / temperature ** (2 * (i // 2) / num_features), interleaved."""
-    dim_t = jnp.arange(num_features, dtype=jnp.float32)
-    dim_t = temperature ** (2 * jnp.floor(dim_t / 2) / num_features)
-    angles = coords.astype(jnp.float32)[..., None] / dim_t
-    pairs = jnp.stack([jnp.sin(angles[..., 0::2]), jnp.cos(angles[..., 1::2])], axis=-1)
-    return pairs.reshape(*coords.shape[:-1], coords.shape[-1] * num_features)
-
-
-def image_position_embedding(
-    mask: jax.Array, num_features: int, temperature: float = 10000.0, offset: float = 0.5
-) -> jax.Array:
-    """Normalized sine embedding of a [B, h, w] padding mask -> [B, h, w, 2 * num_features].
-
-    Coordinates are cumulative counts of real pixels, minus `offset` (0.5 in Deformable DETR,
-    0 in DETR and DINO), over the count at the row/column end (+1e-6), times 2 pi; y features
-    come first.
-    """
-    mask = mask.astype(jnp.float32)
-    y = jnp.cumsum(mask, axis=1)
-    x = jnp.cumsum(mask, axis=2)
-    y = (y - offset) / (y[:, -1:, :] + 1e-6) * (2 * math.pi)
-    x = (x - offset) / (x[:, :, -1:] + 1e-6) * (2 * math.pi)
-    return sine_embedding(jnp.stack([y, x], axis=-1), num_features, temperature)
 
 
 def valid_ratios(mask: jax.Array) -> jax.Array:
@@ -291,7 +272,7 @@ class MultiScaleNeck(nn.Module):
                 self.hidden_dim, kernel, stride, self.num_groups, self.dtype, name=f"input_proj_{i}"
             )
             levels.append(proj(source))
-        return [(x, detr.resize_mask(pixel_mask, x.shape[1:3])) for x in levels]
+        return [(x, backbones.resize_mask(pixel_mask, x.shape[1:3])) for x in levels]
 
 
 class FlatLevels(NamedTuple):
@@ -312,7 +293,7 @@ def flatten_levels(
     sources, masks, pos, shapes, ratios = [], [], [], [], []
     for level, (x, mask) in enumerate(levels):
         batch, height, width, dim = x.shape
-        embedding = image_position_embedding(mask, dim // 2, temperature, offset)
+        embedding = sine_position_embedding(mask, dim // 2, temperature, offset=offset)
         embedding = embedding.astype(x.dtype) + level_embed[level].astype(x.dtype)
         sources.append(x.reshape(batch, height * width, dim))
         masks.append(mask.reshape(batch, height * width))
@@ -361,7 +342,7 @@ def backbone_feature_maps(
     """The maps the neck projects: ResNet stages by name, or a ViT's simple pyramid.
 
     A `frozen` backbone runs in inference mode and passes no gradient back (see
-    `detr.DETR.freeze_backbone`); the pyramid over a ViT's map is still trained.
+    `backbones.BackboneConfig.freeze`); the pyramid over a ViT's map is still trained.
     """
     out = backbone(images, train and not frozen)
     if frozen:
@@ -403,9 +384,14 @@ def encode_images(
     "encoder_layers_{i}". `input_dropout` applies to the encoder's input (Deformable DETR's; DINO
     has none). Returns the encoder memory [B, S, D] and the flattened levels.
     """
-    backbone = detr.detector_backbone(model)
+    spec = model.backbone_config
     maps = backbone_feature_maps(
-        backbone, images, model.backbone_stages, train, model.dtype, model.freeze_backbone
+        spec.build(model.dtype, name="backbone"),
+        images,
+        spec.stages,
+        train,
+        model.dtype,
+        spec.freeze,
     )
     levels = MultiScaleNeck(
         model.hidden_dim, model.num_feature_levels, dtype=model.dtype, name="neck"
@@ -422,7 +408,7 @@ def encode_images(
     return x, flat
 
 
-class DeformableDetr(nn.Module):
+class DeformableDetr(backbones.MultiScaleBackboneFields):
     """Deformable DETR; see the module docstring.
 
     Attributes:
@@ -438,12 +424,15 @@ class DeformableDetr(nn.Module):
       shared_class_head, shared_box_head: one head for every decoder layer instead of one per
         layer; None ties them as transformers does (class heads unless `two_stage`, box heads
         unless `with_box_refine`). The two-stage encoder head is always its own.
-      backbone, backbone_norm, freeze_backbone, backbone_frozen_stages, dilation: as in
-        `detr.DETR`.
-      backbone_stages: the ResNet stages the neck projects (C3-C5 by default).
+      backbone, backbone_norm, freeze_backbone, backbone_frozen_stages, dilation,
+        backbone_stages: keyword-only, from `backbones.MultiScaleBackboneFields` (one record:
+        `self.backbone_config`); `backbone_stages` are the ResNet stages the neck projects
+        (C3-C5 by default).
       remat: recompute deformable sampling in the backward pass.
       dtype: compute dtype; parameters stay float32.
     """
+
+    family: ClassVar[str] = "deformable_detr"
 
     num_classes: int
     num_queries: int = 300
@@ -461,12 +450,6 @@ class DeformableDetr(nn.Module):
     with_box_refine: bool = False
     shared_class_head: bool | None = None
     shared_box_head: bool | None = None
-    backbone: str | resnet.ResNet | vit.ViT = "resnet50"
-    backbone_norm: resnet.Norm = "frozen"
-    freeze_backbone: bool = False
-    backbone_frozen_stages: int = 0
-    dilation: bool = False
-    backbone_stages: tuple[str, ...] = ("stage2", "stage3", "stage4")
     remat: bool = False
     dtype: Any = jnp.float32
 
@@ -603,3 +586,16 @@ def postprocess(outputs: dict[str, jax.Array], top_k: int = 100) -> dict[str, ja
     query = flat // num_classes
     boxes = jnp.take_along_axis(outputs["boxes"].astype(jnp.float32), query[..., None], axis=1)
     return {"scores": scores, "labels": (flat % num_classes).astype(jnp.int32), "boxes": boxes}
+
+
+Model = DeformableDetr
+
+
+def make_loss(config: ml_collections.ConfigDict, model: DeformableDetr) -> LossFn:
+    """Deformable DETR's training loss: Hungarian matching on focal costs and the focal set loss
+    (`focal_set_loss.focal_set_loss`, with the two-stage encoder's terms), weighted by
+    `config.loss`."""
+    from ood_jax.models import focal_set_loss, set_loss  # optax: imported for training only
+
+    weights = set_loss.config_weights(config)
+    return focal_set_loss.make_loss_fn(model, focal_set_loss.FocalSetLossConfig(**weights))

@@ -23,64 +23,27 @@ through one shared final LayerNorm before the heads.
 `auxiliary_loss=True`: there each layer's normalized output is what the next layer reads and
 the last one is normalized twice. The paper's decoder normalizes only what the heads read.
 Checkpoints trained that way need the flag to give their outputs; `detr_from_hf` sets it.
+
+The family's surface (`ood_jax.models.registry`): `Model` (`DETR`), `postprocess`, `make_loss`
+(Hungarian matching and the softmax set loss of `ood_jax.models.set_loss`) and `load_backbone`
+(`ood_jax.models.backbones.load_backbone`).
 """
 
-import math
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
+import ml_collections
 
-from ood_jax.models import conv, resnet, vit
+from ood_jax.models import backbones, conv
+from ood_jax.models.backbones import load_backbone as load_backbone
+from ood_jax.models.position_embedding import sine_position_embedding
+from ood_jax.models.registry import LossFn
 
 LN_EPS = 1e-5
 
 _xavier = nn.initializers.xavier_uniform()
-
-
-def nearest_indices(in_size: int, out_size: int) -> np.ndarray:
-    """Source index of each output position under torch's legacy "nearest" resize."""
-    # torch computes the scale in float32 and floors scale * index; so does this.
-    scale = np.float32(in_size) / np.float32(out_size)
-    idx = np.floor(np.arange(out_size, dtype=np.float32) * scale).astype(np.int32)
-    return np.minimum(idx, in_size - 1)
-
-
-def resize_mask(mask: jax.Array, size: tuple[int, int]) -> jax.Array:
-    """[B, H, W] -> [B, h, w] boolean, by `F.interpolate(mask, size)` (nearest) semantics."""
-    rows = nearest_indices(mask.shape[1], size[0])
-    cols = nearest_indices(mask.shape[2], size[1])
-    return mask[:, rows][:, :, cols].astype(bool)
-
-
-def sine_position_embedding(
-    mask: jax.Array,
-    num_features: int,
-    temperature: float = 10000.0,
-    scale: float = 2 * math.pi,
-) -> jax.Array:
-    """DETR's normalized sine embedding: [B, h, w] mask -> [B, h, w, 2 * num_features] float32.
-
-    Coordinates are cumulative counts of real pixels along each axis, divided by the count at
-    the row/column end (+1e-6) and scaled to (0, 2pi]; y features come before x features, and
-    within each the sines and cosines of the frequency pairs interleave.
-    """
-    mask = mask.astype(jnp.float32)
-    y = jnp.cumsum(mask, axis=1)
-    x = jnp.cumsum(mask, axis=2)
-    y = y / (y[:, -1:, :] + 1e-6) * scale
-    x = x / (x[:, :, -1:] + 1e-6) * scale
-    dim_t = jnp.arange(num_features, dtype=jnp.float32)
-    dim_t = temperature ** (2 * jnp.floor(dim_t / 2) / num_features)
-
-    def embed(coord: jax.Array) -> jax.Array:
-        angles = coord[..., None] / dim_t
-        pairs = jnp.stack([jnp.sin(angles[..., 0::2]), jnp.cos(angles[..., 1::2])], axis=-1)
-        return pairs.reshape(*coord.shape, num_features)
-
-    return jnp.concatenate([embed(y), embed(x)], axis=-1)
 
 
 class Attention(nn.Module):
@@ -268,45 +231,7 @@ class BoxHead(nn.Module):
         return nn.Dense(4, dtype=self.dtype, name="layers_2")(x)
 
 
-def build_backbone(
-    backbone: str | resnet.ResNet | vit.ViT,
-    norm: resnet.Norm = "frozen",
-    dilation: bool = False,
-    dtype: Any = jnp.float32,
-    name: str | None = None,
-    frozen_stages: int = 0,
-) -> nn.Module:
-    """A ResNet (`resnet.ARCHS`) or ViT (`vit.VARIANTS`) by name; a module is used as it is."""
-    if isinstance(backbone, (resnet.ResNet, vit.ViT)):
-        return backbone
-    if backbone in vit.VARIANTS:
-        if frozen_stages:
-            raise ValueError(f"frozen_stages applies to ResNets, not to {backbone!r}")
-        return vit.vit(backbone, dtype=dtype, name=name)
-    return resnet.build(
-        backbone,
-        norm=norm,
-        dilation=dilation,
-        frozen_stages=frozen_stages,
-        dtype=dtype,
-        name=name,
-    )
-
-
-def detector_backbone(model: nn.Module) -> nn.Module:
-    """The backbone of a detector (DETR, DeformableDetr, DINO) from its fields, named "backbone";
-    called inside the detector's compact `__call__`."""
-    return build_backbone(
-        model.backbone,
-        model.backbone_norm,
-        model.dilation,
-        model.dtype,
-        name="backbone",
-        frozen_stages=model.backbone_frozen_stages,
-    )
-
-
-class DETR(nn.Module):
+class DETR(backbones.BackboneFields):
     """DETR detector; see the module docstring.
 
     Attributes:
@@ -315,16 +240,11 @@ class DETR(nn.Module):
       hidden_dim, num_heads, ffn_dim, dropout: transformer width, heads, FFN width, dropout
         (on attention weights, the FFN hidden layer and each residual branch).
       num_encoder_layers, num_decoder_layers: transformer depth.
-      backbone: a name in `resnet.ARCHS` (built with `backbone_norm`, `dilation` and `dtype`) or
-        in `vit.VARIANTS` (a plain ViT whose last feature map feeds the transformer);
-        or a configured `resnet.ResNet` for non-standard widths, used as it is.
-      backbone_norm: "frozen" (the paper's choice) or "batch".
-      freeze_backbone: the backbone runs in inference mode behind a stop_gradient, so no
-        gradient flows into it (the optimizer should also leave its parameters alone). Training
-        then costs about a third as much on CPU, which is what lets a small DETR learn in minutes.
-      backbone_frozen_stages: a ResNet's stem and first this many stages get no gradient
-        (DETR's recipe keeps the stem and the first stage fixed: 1); see `resnet.ResNet`.
-      dilation: DC5 (last backbone stage dilated, features at stride 16).
+      backbone, backbone_norm, freeze_backbone, backbone_frozen_stages, dilation: keyword-only,
+        from `backbones.BackboneFields` (one record: `self.backbone_config`). A ResNet's last
+        stage or a plain ViT's feature map feeds the transformer; `backbone_norm="frozen"` is the
+        paper's choice; `freeze_backbone` runs the backbone in inference mode behind a
+        stop_gradient.
       num_query_groups: Group DETR (Chen et al., 2023): in training, this many independent
         copies of the queries, each matched one-to-one to the targets and attending only to its
         own group, give the decoder several times the supervision per image at little cost;
@@ -332,6 +252,8 @@ class DETR(nn.Module):
       norm_between_decoder_layers: transformers' `auxiliary_loss=True` decoder; see above.
       dtype: compute dtype; parameters stay float32.
     """
+
+    family: ClassVar[str] = "detr"
 
     num_classes: int
     num_queries: int = 100
@@ -341,11 +263,6 @@ class DETR(nn.Module):
     num_decoder_layers: int = 6
     ffn_dim: int = 2048
     dropout: float = 0.1
-    backbone: str | resnet.ResNet | vit.ViT = "resnet50"
-    backbone_norm: resnet.Norm = "frozen"
-    freeze_backbone: bool = False
-    backbone_frozen_stages: int = 0
-    dilation: bool = False
     num_query_groups: int = 1
     norm_between_decoder_layers: bool = False
     dtype: Any = jnp.float32
@@ -354,7 +271,7 @@ class DETR(nn.Module):
     def __call__(
         self, images: jax.Array, pixel_mask: jax.Array | None = None, train: bool = False
     ) -> dict[str, Any]:
-        backbone = detector_backbone(self)
+        backbone = self.backbone_config.build(self.dtype, name="backbone")
         features = backbone(images, train and not self.freeze_backbone)
         features = features["features"] if "features" in features else features["stage4"]
         if self.freeze_backbone:
@@ -363,7 +280,7 @@ class DETR(nn.Module):
 
         if pixel_mask is None:
             pixel_mask = jnp.ones(images.shape[:3], bool)
-        mask = resize_mask(pixel_mask, (height, width))
+        mask = backbones.resize_mask(pixel_mask, (height, width))
         pos = sine_position_embedding(mask, self.hidden_dim // 2).astype(self.dtype)
         pos = pos.reshape(batch, height * width, self.hidden_dim)
         mask = mask.reshape(batch, height * width)
@@ -422,3 +339,14 @@ def postprocess(outputs: dict[str, jax.Array]) -> dict[str, jax.Array]:
         "labels": probs.argmax(-1).astype(jnp.int32),
         "boxes": outputs["boxes"].astype(jnp.float32),
     }
+
+
+Model = DETR
+
+
+def make_loss(config: ml_collections.ConfigDict, model: DETR) -> LossFn:
+    """DETR's training loss: Hungarian matching and the softmax set loss
+    (`set_loss.set_loss`, with Group DETR's query groups), weighted by `config.loss`."""
+    from ood_jax.models import set_loss  # optax: imported for training only
+
+    return set_loss.make_loss_fn(model, set_loss.SetLossConfig(**set_loss.config_weights(config)))

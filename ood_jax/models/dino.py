@@ -28,6 +28,10 @@ layer; every layer's output goes through one shared LayerNorm before the heads.
 with sigmoid class logits (no "no object" class), boxes normalized cxcywh, float32 outputs.
 `postprocess(outputs, top_k=300)` keeps the 300 best (query, class) pairs.
 
+The family's surface (`ood_jax.models.registry`): `Model` (`DINO`), `postprocess`, `make_loss`
+(the focal set loss of `ood_jax.models.focal_set_loss` with contrastive denoising, configured by
+`config.denoising`) and `load_backbone` (`ood_jax.models.backbones.load_backbone`).
+
 Deliberate departures from the reference code, none of which changes a real image's output:
 encoder positions that are padding (or whose anchor falls outside (0.01, 0.99)) are never
 selected as queries while enough real ones exist (the reference ranks them by the logits of a
@@ -36,14 +40,18 @@ zeroed feature); and the reference's hard-coded 128 sine features per coordinate
 """
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_collections
 
+from ood_jax.models import backbones, detr
 from ood_jax.models import deformable_detr as ddetr
-from ood_jax.models import detr, resnet, vit
+from ood_jax.models.backbones import load_backbone as load_backbone
+from ood_jax.models.position_embedding import sine_embedding
+from ood_jax.models.registry import LossFn
 
 DINO_TOP_K = 300
 
@@ -67,10 +75,10 @@ def anchor_sine_embedding(anchors: jax.Array, num_features: int) -> jax.Array:
     """[..., 4] cxcywh anchors -> [..., 4 * num_features], coordinates in DINO's (y, x, w, h)
     order, temperature 10000."""
     yxwh = jnp.stack([anchors[..., 1], anchors[..., 0], anchors[..., 2], anchors[..., 3]], -1)
-    return ddetr.sine_embedding(yxwh * (2 * math.pi), num_features)
+    return sine_embedding(yxwh * (2 * math.pi), num_features)
 
 
-class DINO(nn.Module):
+class DINO(backbones.MultiScaleBackboneFields):
     """DINO detector; see the module docstring.
 
     Attributes:
@@ -84,11 +92,13 @@ class DINO(nn.Module):
         released models; the encoder's proposal heads are always their own.
       position_temperature: of the image sine embedding (DINO uses 20).
       backbone, backbone_norm, freeze_backbone, backbone_frozen_stages, dilation,
-        backbone_stages: as in `DeformableDetr`; a ViT name gives the simple feature pyramid
-        of its stride-16 map.
+        backbone_stages: keyword-only, from `backbones.MultiScaleBackboneFields`, as in
+        `DeformableDetr`; a ViT name gives the simple feature pyramid of its stride-16 map.
       remat: recompute deformable sampling in the backward pass.
       dtype: compute dtype; parameters stay float32.
     """
+
+    family: ClassVar[str] = "dino"
 
     num_classes: int = 91
     num_queries: int = 900
@@ -104,12 +114,6 @@ class DINO(nn.Module):
     num_label_embeddings: int | None = None
     shared_decoder_heads: bool = True
     position_temperature: float = 20.0
-    backbone: str | resnet.ResNet | vit.ViT = "resnet50"
-    backbone_norm: resnet.Norm = "frozen"
-    freeze_backbone: bool = False
-    backbone_frozen_stages: int = 0
-    dilation: bool = False
-    backbone_stages: tuple[str, ...] = ("stage2", "stage3", "stage4")
     remat: bool = False
     dtype: Any = jnp.float32
 
@@ -290,3 +294,22 @@ def postprocess(outputs: dict[str, jax.Array], top_k: int = DINO_TOP_K) -> dict[
     """The top_k (query, class) pairs by sigmoid score: "scores", "labels", "boxes" (cxcywh),
     each [B, top_k, ...]."""
     return ddetr.postprocess(outputs, top_k)
+
+
+Model = DINO
+
+
+def make_loss(config: ml_collections.ConfigDict, model: DINO) -> LossFn:
+    """DINO's training loss: the focal set loss over matched queries and encoder proposals plus
+    the denoising terms of `config.denoising`'s contrastive denoising queries (num_queries,
+    label_noise_ratio, box_noise_scale), weighted by `config.loss`."""
+    from ood_jax.models import focal_set_loss, set_loss  # optax: imported for training only
+
+    weights = set_loss.config_weights(config)
+    if "denoising" not in config:
+        raise ValueError(
+            "config.denoising: DINO needs num_queries, label_noise_ratio and box_noise_scale"
+        )
+    return focal_set_loss.make_loss_fn(
+        model, focal_set_loss.FocalSetLossConfig(**weights), config.denoising
+    )

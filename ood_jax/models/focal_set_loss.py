@@ -1,8 +1,8 @@
-"""DINO's training loss: Deformable DETR's focal set loss plus contrastive denoising.
+"""The focal set loss of Deformable DETR and DINO, with DINO's contrastive denoising terms.
 
 Matched heads. The final decoder output, every earlier decoder output ("aux") and the two-stage
 encoder proposals ("enc") are each matched on their own to the targets with
-`detr_loss.hungarian_match` (optax, in-graph, padding-safe), on Deformable DETR's cost
+`set_loss.hungarian_match` (optax, in-graph, padding-safe), on Deformable DETR's cost
 
     cost_class * (pos - neg)[target class] + cost_bbox * L1 + cost_giou * -GIoU,
     pos = alpha (1 - p)^gamma * -log(p + 1e-8),   neg = (1 - alpha) p^gamma * -log(1 - p + 1e-8),
@@ -33,6 +33,11 @@ Normalization. num_boxes defaults to the number of real targets in `targets`, wh
 with sharded inputs is already the global count; inside `shard_map`/`pmap` pass the global count.
 It is clamped to at least 1. Heads of equal shape are stacked and vmapped so the matcher's loops
 are traced and compiled once per shape, not once per layer.
+
+Training. `make_loss_fn(model, config, denoise)` wraps the forward pass (with DINO's denoising
+queries when `denoise` configures them) and `focal_set_loss` into the pure
+`(variables, batch, rng, mutable) -> (loss, (metrics, model_state))` that
+`ood_jax.models.deformable_detr.make_loss` and `ood_jax.models.dino.make_loss` return.
 """
 
 import dataclasses
@@ -42,11 +47,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
+from flax import linen as nn
 
 from ood_jax import boxes as box_lib
-from ood_jax.train.detr_loss import hungarian_match
+from ood_jax.models import denoising
+from ood_jax.models.registry import LossFn
+from ood_jax.models.set_loss import batch_targets, hungarian_match
 
 # Where a query has no box to regress, L1/GIoU are computed against this well-formed box and
 # masked out, so no degenerate geometry reaches the gradient.
@@ -55,7 +64,7 @@ _TERMS = ("loss_ce", "loss_bbox", "loss_giou")
 
 
 @dataclasses.dataclass(frozen=True)
-class DinoLossConfig:
+class FocalSetLossConfig:
     """Focal-loss shape, matching-cost weights (`cost_*`) and loss weights; DINO's defaults."""
 
     focal_alpha: float = 0.25
@@ -75,7 +84,7 @@ def focal_matching_cost(
     pred_boxes: jax.Array,
     labels: jax.Array,
     target_boxes: jax.Array,
-    config: DinoLossConfig = DinoLossConfig(),
+    config: FocalSetLossConfig = FocalSetLossConfig(),
 ) -> jax.Array:
     """Deformable DETR's matching cost for one image: [Q, C], [Q, 4], [M], [M, 4] -> [Q, M]."""
     prob = jax.nn.sigmoid(logits.astype(jnp.float32))
@@ -102,7 +111,7 @@ def _query_losses(
     has_box: jax.Array,
     class_mask: jax.Array,
     normalizer: jax.Array,
-    config: DinoLossConfig,
+    config: FocalSetLossConfig,
 ) -> dict[str, jax.Array]:
     """Unweighted terms of one head given every query's target.
 
@@ -143,7 +152,7 @@ def _matched_losses(
     target_boxes: jax.Array,
     mask: jax.Array,
     num_boxes: jax.Array,
-    config: DinoLossConfig,
+    config: FocalSetLossConfig,
 ) -> dict[str, jax.Array]:
     """Hungarian-matched terms of one head: [B, Q, C], [B, Q, 4], [B, M], [B, M, 4], [B, M]."""
     num_queries, num_classes = logits.shape[1:]
@@ -176,7 +185,7 @@ def _denoising_losses(
     targets: Mapping[str, jax.Array],
     denoise: Mapping[str, jax.Array],
     normalizer: jax.Array,
-    config: DinoLossConfig,
+    config: FocalSetLossConfig,
 ) -> dict[str, jax.Array]:
     """Terms of one decoder layer's denoising outputs [B, D, C], [B, D, 4]; no matching."""
     target_index = denoise["target_index"]
@@ -211,7 +220,7 @@ def _check_shape(name: str, array: Any, expected: tuple[int | None, ...]) -> Non
     shape = tuple(array.shape)
     if len(shape) != len(expected) or any(e not in (None, s) for s, e in zip(shape, expected)):
         wanted = tuple("*" if e is None else e for e in expected)
-        raise ValueError(f"dino_loss: {name} has shape {shape}, expected {wanted}")
+        raise ValueError(f"focal_set_loss: {name} has shape {shape}, expected {wanted}")
 
 
 def _check_label_range(labels: Any, mask: Any, num_classes: int) -> None:
@@ -222,7 +231,7 @@ def _check_label_range(labels: Any, mask: Any, num_classes: int) -> None:
     bad = mask & ((labels < 0) | (labels >= num_classes))
     if bad.any():
         raise ValueError(
-            f"dino_loss: targets['labels'] of real targets must lie in [0, {num_classes}), "
+            f"focal_set_loss: targets['labels'] of real targets must lie in [0, {num_classes}), "
             f"got {labels[bad][:5].tolist()}"
         )
 
@@ -234,7 +243,7 @@ def _check_inputs(
 ) -> None:
     for key in ("boxes", "labels", "mask"):
         if key not in targets:
-            raise ValueError(f"dino_loss: targets has no {key!r} (keys: {sorted(targets)})")
+            raise ValueError(f"focal_set_loss: targets has no {key!r} (keys: {sorted(targets)})")
     _check_shape("targets['labels']", targets["labels"], (None, None))
     batch, slots = targets["labels"].shape
     _check_shape("targets['mask']", targets["mask"], (batch, slots))
@@ -254,7 +263,7 @@ def _check_inputs(
 
     if (denoise is None) != ("dn" not in outputs):
         raise ValueError(
-            "dino_loss: outputs['dn'] and `denoise` come together (the model returns 'dn' exactly "
+            "focal_set_loss: outputs['dn'] and `denoise` come together (the model returns 'dn' exactly "
             f"when given denoising queries); got outputs['dn'] {'dn' in outputs}, "
             f"denoise {denoise is not None}"
         )
@@ -269,7 +278,7 @@ def _check_inputs(
         _check_shape(f"denoise[{key!r}]", denoise[key], (batch, num_dn))
 
 
-def _weighted(terms: Mapping[str, jax.Array], config: DinoLossConfig) -> jax.Array:
+def _weighted(terms: Mapping[str, jax.Array], config: FocalSetLossConfig) -> jax.Array:
     return (
         config.class_weight * terms["loss_ce"]
         + config.bbox_weight * terms["loss_bbox"]
@@ -277,17 +286,17 @@ def _weighted(terms: Mapping[str, jax.Array], config: DinoLossConfig) -> jax.Arr
     )
 
 
-def dino_loss(
+def focal_set_loss(
     outputs: Mapping[str, Any],
     targets: Mapping[str, jax.Array],
-    config: DinoLossConfig = DinoLossConfig(),
+    config: FocalSetLossConfig = FocalSetLossConfig(),
     denoise: Mapping[str, jax.Array] | None = None,
     num_boxes: jax.Array | float | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """DINO's total loss.
+    """The total focal set loss of a Deformable DETR or DINO output (DINO's with denoising).
 
     Args:
-      outputs: the DINO model's outputs: "logits" [B, Q, C] and "boxes" [B, Q, 4] (final decoder
+      outputs: the model's outputs: "logits" [B, Q, C] and "boxes" [B, Q, 4] (final decoder
         layer), optionally "aux" (a list of {"logits", "boxes"} from earlier layers), "enc"
         ({"logits" [B, K, C], "boxes" [B, K, 4]}, the two-stage proposals) and "dn"
         ({"logits" [L, B, D, C], "boxes" [L, B, D, 4]}, denoising outputs of every layer, the
@@ -351,3 +360,47 @@ def dino_loss(
     total = sum(w * _weighted(t, config) for w, t in zip(head_weights, per_head))
     metrics = {f"{k}{name}": t[k] for name, t in zip(names, per_head) for k in _TERMS}
     return total, metrics
+
+
+def make_loss_fn(
+    model: nn.Module,
+    config: FocalSetLossConfig,
+    denoise: ml_collections.ConfigDict | None = None,
+) -> LossFn:
+    """`model`'s forward pass in training mode, then `focal_set_loss`.
+
+    With `denoise` (num_queries, label_noise_ratio, box_noise_scale: DINO's `config.denoising`)
+    the model also gets contrastive denoising queries made from the batch's targets
+    (`denoising.make_cdn_queries`), and the loss supervises their outputs.
+    """
+
+    def loss(variables, batch, rng, mutable: Sequence[str]):
+        denoise_rng, dropout_rng = jax.random.split(rng)
+        targets = batch_targets(batch)
+        queries, extra = None, {}
+        if denoise is not None:
+            queries = denoising.make_cdn_queries(
+                denoise_rng,
+                targets["labels"],
+                targets["boxes"],
+                targets["mask"],
+                num_classes=model.num_classes,
+                num_queries=model.num_queries,
+                num_dn_queries=denoise.num_queries,
+                label_noise_ratio=denoise.label_noise_ratio,
+                box_noise_scale=denoise.box_noise_scale,
+            )
+            extra = {"denoise": queries}
+        outputs, model_state = model.apply(
+            variables,
+            batch["image"],
+            batch["image_mask"],
+            train=True,
+            rngs={"dropout": dropout_rng},
+            mutable=list(mutable),
+            **extra,
+        )
+        total, metrics = focal_set_loss(outputs, targets, config, denoise=queries)
+        return total, (metrics, model_state)
+
+    return loss

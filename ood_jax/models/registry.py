@@ -1,37 +1,61 @@
-"""Detectors by name, so configs stay data: `config.model = {"name": ..., "args": {...}}`."""
+"""Detector families by name, so configs stay data: `config.model = {"name": ..., "args": {...}}`.
+
+A family is a module of `ood_jax.models` (`FAMILIES` maps config names to them), imported when
+first asked for. Every family module exports the same surface:
+
+  * `Model`: the Flax detector class; `Model(**config.model.args)` builds it, and its
+    `family` class attribute is its name here;
+  * `postprocess(outputs) -> {"scores", "labels", "boxes"}`: detections from the model's outputs;
+  * `make_loss(config, model) -> LossFn`: the family's training loss (its matcher and set loss)
+    with `config.loss` weights and whatever else the family reads from the config;
+  * `load_backbone(model_args, path) -> variables`: pretrained backbone variables for the flat
+    `config.model.args`.
+
+Importing a family does not import the training stack: the losses (optax) are imported by
+`make_loss` only.
+"""
 
 from __future__ import annotations
 
 import importlib
-import sys
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import jax
 import ml_collections
 from flax import linen as nn
 
-MODELS = {
-    "detr": "ood_jax.models.detr:DETR",
-    "deformable_detr": "ood_jax.models.deformable_detr:DeformableDetr",
-    "dino": "ood_jax.models.dino:DINO",
+FAMILIES = {
+    "detr": "ood_jax.models.detr",
+    "deformable_detr": "ood_jax.models.deformable_detr",
+    "dino": "ood_jax.models.dino",
 }
+
+# A training loss, pure: (variables, batch, rng, mutable) -> (loss, (metrics, model_state)),
+# with `variables` holding the parameters being differentiated and `mutable` the collections
+# the forward pass may update (e.g. "batch_stats").
+LossFn = Callable[..., tuple[jax.Array, tuple[dict[str, jax.Array], Any]]]
+
+
+def family(name: str) -> ModuleType:
+    """The family module `config.model.name` names."""
+    if name not in FAMILIES:
+        raise ValueError(f"config.model.name: unknown model {name!r}; known: {sorted(FAMILIES)}")
+    return importlib.import_module(FAMILIES[name])
+
+
+def family_of(model: nn.Module) -> ModuleType:
+    """The family module of a detector built from it (each `Model` names its family)."""
+    name = getattr(type(model), "family", None)
+    if name is None:
+        raise ValueError(
+            f"{type(model).__name__} is not a detector of any family {sorted(FAMILIES)}"
+        )
+    return family(name)
 
 
 def build_model(config: ml_collections.ConfigDict) -> nn.Module:
-    if config.name not in MODELS:
-        raise ValueError(
-            f"config.model.name: unknown model {config.name!r}; known: {sorted(MODELS)}"
-        )
-    module_name, _, class_name = MODELS[config.name].partition(":")
-    cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(**config.get("args", {}))
-
-
-def postprocess_for(module: nn.Module) -> Callable[[dict[str, Any]], dict[str, jax.Array]]:
-    """The detector's own outputs -> {"scores", "labels", "boxes"}: every detector module
-    (detr.py, deformable_detr.py, dino.py) defines `postprocess` next to its model class."""
-    defining = sys.modules[type(module).__module__]
-    if not hasattr(defining, "postprocess"):
-        raise ValueError(f"{defining.__name__} defines no postprocess for {type(module).__name__}")
-    return defining.postprocess
+    """`config` is config.model: the family `config.name` names, its `Model` built from
+    `config.args`."""
+    return family(config.name).Model(**config.get("args", {}))

@@ -1,4 +1,4 @@
-"""DETR's set-prediction loss with in-graph Hungarian matching (Carion et al., 2020).
+"""DETR's softmax set-prediction loss with in-graph Hungarian matching (Carion et al., 2020).
 
 Each decoder output (the final one and every auxiliary one) is matched on its own to the targets
 with `optax.assignment.hungarian_algorithm`, vmapped over the batch, on DETR's cost
@@ -29,21 +29,31 @@ as DETR does across devices. Under `jax.jit` with sharded inputs the arrays are 
 mask sum already counts every box on every device and host; only inside `shard_map`/`pmap`,
 where arrays are per-device, pass the global count as `num_boxes`. The classification term is the
 weighted mean over all queries of the batch, as torch's `cross_entropy(weight=...)`.
+
+Training. `make_loss_fn(model, config)` wraps the forward pass and `set_loss` into the pure
+`(variables, batch, rng, mutable) -> (loss, (metrics, model_state))` a family's `make_loss`
+returns (`ood_jax.models.detr.make_loss`); `batch_targets` and `config_weights` are what the
+families' training losses share. `hungarian_match` also serves the focal set loss
+(`ood_jax.models.focal_set_loss`).
 """
 
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import optax
+from flax import linen as nn
 
 from ood_jax import boxes as box_lib
+from ood_jax.models.registry import LossFn
 
 
 @dataclasses.dataclass(frozen=True)
-class DetrLossConfig:
+class SetLossConfig:
     """Loss weights (`*_weight`) and matching-cost weights (`cost_*`); DETR's defaults."""
 
     class_weight: float = 1.0
@@ -60,7 +70,7 @@ def matching_cost(
     pred_boxes: jax.Array,
     labels: jax.Array,
     target_boxes: jax.Array,
-    config: DetrLossConfig = DetrLossConfig(),
+    config: SetLossConfig = SetLossConfig(),
 ) -> jax.Array:
     """DETR's matching cost for one image: [Q, C+1], [Q, 4], [M], [M, 4] -> [Q, M]."""
     prob = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
@@ -103,7 +113,7 @@ def _level_losses(
     pred_boxes: jax.Array,
     targets: Mapping[str, jax.Array],
     num_boxes: jax.Array,
-    config: DetrLossConfig,
+    config: SetLossConfig,
 ) -> dict[str, jax.Array]:
     """Unweighted loss terms of one decoder output."""
     labels, target_boxes, mask = targets["labels"], targets["boxes"], targets["mask"]
@@ -155,10 +165,10 @@ def _fold_query_groups(outputs, targets, num_groups: int):
     return folded, {k: jnp.repeat(v, num_groups, axis=0) for k, v in targets.items()}
 
 
-def detr_loss(
+def set_loss(
     outputs: Mapping[str, jax.Array | Sequence[Mapping[str, jax.Array]]],
     targets: Mapping[str, jax.Array],
-    config: DetrLossConfig = DetrLossConfig(),
+    config: SetLossConfig = SetLossConfig(),
     num_boxes: jax.Array | None = None,
     num_query_groups: int = 1,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -208,3 +218,39 @@ def detr_loss(
     for i in range(len(levels) - 1):
         metrics.update({f"{k}_{i}": v[i + 1] for k, v in terms.items()})
     return total, metrics
+
+
+def batch_targets(batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """The targets of a training batch, as the set losses read them."""
+    return {"boxes": batch["boxes"], "labels": batch["labels"], "mask": batch["box_mask"]}
+
+
+def config_weights(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """`config.loss` (weights, matching costs; none: the loss's defaults) as keyword arguments
+    of a loss config dataclass."""
+    return config.get("loss", ml_collections.ConfigDict()).to_dict()
+
+
+def make_loss_fn(model: nn.Module, config: SetLossConfig) -> LossFn:
+    """`model`'s forward pass in training mode, then `set_loss` (Group DETR's query groups taken
+    from the model's `num_query_groups`)."""
+
+    def loss(variables, batch, rng, mutable: Sequence[str]):
+        # Trainable BatchNorm updates its statistics; frozen BatchNorm never writes them.
+        outputs, model_state = model.apply(
+            variables,
+            batch["image"],
+            batch["image_mask"],
+            train=True,
+            rngs={"dropout": rng},
+            mutable=list(mutable),
+        )
+        total, metrics = set_loss(
+            outputs,
+            batch_targets(batch),
+            config,
+            num_query_groups=getattr(model, "num_query_groups", 1),
+        )
+        return total, (metrics, model_state)
+
+    return loss

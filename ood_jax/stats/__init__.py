@@ -16,6 +16,9 @@ The paper argues its data is OOD with:
 MMD is computed in jax, jitted, over fixed-size row blocks of the pooled kernel matrix so that
 tens of thousands of points never materialize an N x N matrix; a permutation test evaluates a
 chunk of permutations per pass over the kernel, as one matmul per row block.
+
+The package `ood_jax.stats` holds the statistics (this module); `ood_jax.stats.cli` is the
+`ood-jax stats` command that runs them from files.
 """
 
 import functools

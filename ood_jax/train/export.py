@@ -1,24 +1,13 @@
 """Exports a trained detector from a workdir's checkpoint to one self-contained file.
 
-The file is flax.serialization msgpack of one dict (format version 1):
-
-  format_version  1
-  model           config.model as a dict: {"name": ..., "args": {...}} for `registry.build_model`
-  input           what inference needs of config.input: image_size (the padded canvas side),
-                  eval_size (shorter side after resizing), max_size (cap on the longer side),
-                  mean and std (per channel, applied to pixels scaled to [0, 1])
-  class_names     list of str indexed by label, or None when unknown
-  variables       {"params": ..., <other collections, e.g. "batch_stats">: ...} as numpy arrays
-  step            the training step of the checkpoint
-  model_name      config.model_name, or None
-
-Nothing of the optimizer is read or written. `ood_jax.models.load_exported` reads the file back
-and runs it without optax, orbax or TensorFlow.
+The checkpoint's params and model state and the config saved with it go through
+`ood_jax.models.exported.write_exported`, which owns the file format (described there; format
+version 1). Nothing of the optimizer is read or written. `ood_jax.models.load_exported` reads
+the file back and runs it without optax, orbax or TensorFlow.
 """
 
 from __future__ import annotations
 
-import os
 import pathlib
 from typing import Any, Sequence
 
@@ -26,11 +15,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
-from flax import serialization
 
-from ood_jax import files
+from ood_jax import datasets
 from ood_jax.data import pipeline
-from ood_jax.models import EXPORT_FORMAT_VERSION
+from ood_jax.models import exported
 
 
 def _checkpoint_manager(directory: pathlib.Path) -> ocp.CheckpointManager:
@@ -87,18 +75,10 @@ def restore_inference_state(
 def dataset_class_names(dataset: dict[str, Any]) -> list[str] | None:
     """Label names of a prepared detection dataset, or None when it is not at hand."""
     try:
-        import tensorflow_datasets as tfds
-
-        import tfds_builders  # noqa: F401  (registers our builders with TFDS)
-
-        builder = tfds.builder(dataset["name"], data_dir=os.path.expanduser(dataset["data_dir"]))
-        if not builder.is_prepared():
-            logging.warning("%s is not prepared; exporting without class names", dataset["name"])
-            return None
-        return list(builder.info.features["objects"]["label"].names)
+        return datasets.class_names(dataset["name"], dataset["data_dir"])
     # Names are a convenience for users of the file: no failure finding them may stop an export.
     except Exception as e:
-        logging.warning("no class names from %s: %s", dataset.get("name"), e)
+        logging.warning("exporting without class names (%s): %s", dataset.get("name"), e)
         return None
 
 
@@ -120,26 +100,14 @@ def export(
     config = meta["config"]
     if class_names is None:
         class_names = dataset_class_names(config["dataset"])
-    num_classes = config["model"].get("args", {}).get("num_classes")
-    if class_names is not None and num_classes is not None and len(class_names) != num_classes:
-        raise ValueError(
-            f"{len(class_names)} class names for config.model.args.num_classes={num_classes}"
-        )
-    input_config = config["input"]
-    payload = {
-        "format_version": EXPORT_FORMAT_VERSION,
-        "model": config["model"],
-        "input": {
-            "image_size": input_config["image_size"],
-            "eval_size": input_config["eval_size"],
-            "max_size": input_config["max_size"],
-            "mean": list(pipeline.IMAGENET_MEAN),
-            "std": list(pipeline.IMAGENET_STD),
-        },
-        "class_names": None if class_names is None else list(class_names),
-        "variables": variables,
-        "step": step,
-        "model_name": config.get("model_name"),
-    }
-    files.write_atomic(out_path, serialization.msgpack_serialize(payload))
-    return out_path
+    return exported.write_exported(
+        out_path,
+        model_config=config["model"],
+        input_config=config["input"],
+        mean=pipeline.IMAGENET_MEAN,
+        std=pipeline.IMAGENET_STD,
+        class_names=class_names,
+        variables=variables,
+        step=step,
+        model_name=config.get("model_name"),
+    )

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from ood_jax import sharding
+
 
 def learning_rate_schedule(base: float, config: ml_collections.ConfigDict, steps_per_epoch: float):
     """`base`, ramped up linearly over `warmup_steps`, times `decay_factor` at each of
@@ -38,7 +40,7 @@ def make_optimizer(
     frozen = re.compile(config.get("frozen_pattern") or r"(?!)")
 
     def group(path, _):
-        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        name = sharding.path_name(path)
         if frozen.match(name):
             return "frozen"
         return "backbone" if backbone.match(name) else "transformer"

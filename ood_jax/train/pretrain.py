@@ -26,7 +26,7 @@ from flax import serialization
 from ood_jax import boxes as box_lib
 from ood_jax import files
 from ood_jax.data import pipeline
-from ood_jax.models import detr
+from ood_jax.models import backbones
 from ood_jax import sharding
 
 
@@ -80,7 +80,7 @@ def pretrain_backbone(
     args = config.model.args
     # Pretraining may leave out the detector's DC5 dilation, as ImageNet weights are made: the
     # same weights then run dilated in the detector, and pretraining costs less.
-    backbone = detr.build_backbone(
+    backbone = backbones.build_backbone(
         args.backbone,
         args.get("backbone_norm", "batch"),
         config.pretrain.get("dilation", args.get("dilation", False)),
@@ -93,7 +93,11 @@ def pretrain_backbone(
     input_config = ml_collections.ConfigDict(config.input.to_dict())
     input_config.seed = config.seed + 1
     input_config.batch_size = config.pretrain.batch_size
-    batches = pipeline.train_iterator(builder, split, input_config)
+    fields = ("image", "image_mask", "image_size", "boxes", "labels", "box_mask")
+    host_batches = pipeline.train_iterator(builder, split, input_config)
+    batches = sharding.start_global(
+        ({k: batch[k] for k in fields} for batch in host_batches), data_sharding
+    )
 
     size = config.input.image_size
     variables = model.init(jax.random.key(config.seed), jnp.zeros((1, size, size, 3)), False)
@@ -118,7 +122,7 @@ def pretrain_backbone(
                 boxes, batch["labels"], batch["box_mask"], grid, args.num_classes
             )
             # Cells over padding carry no label; they are left out of the mean.
-            valid = detr.resize_mask(batch["image_mask"], grid)[..., None].astype(jnp.float32)
+            valid = backbones.resize_mask(batch["image_mask"], grid)[..., None].astype(jnp.float32)
             losses = optax.sigmoid_binary_cross_entropy(logits, targets) * valid
             return losses.sum() / jnp.maximum(valid.sum() * args.num_classes, 1.0), new_state
 
@@ -128,14 +132,7 @@ def pretrain_backbone(
 
     started = time.perf_counter()
     for i in range(1, config.pretrain.steps + 1):
-        batch = next(batches)
-        batch = pipeline.to_global_array(
-            {
-                k: batch[k]
-                for k in ("image", "image_mask", "image_size", "boxes", "labels", "box_mask")
-            },
-            data_sharding,
-        )
+        batch, _ = next(batches)
         params, model_state, opt_state, loss = step(params, model_state, opt_state, batch)
         if i % config.log_every == 0 or i == config.pretrain.steps:
             rate = i / (time.perf_counter() - started)

@@ -3,16 +3,22 @@
 One readable loop. The run lives in `workdir`: checkpoints, TensorBoard metrics, results. A run
 started on a workdir with checkpoints resumes from the newest one, with the same data order, and
 continues to `config.total_steps`.
+
+`setup` builds what training and evaluation share (an `Experiment`: mesh, data, model, optimizer,
+the state's layout) and creates no parameters. A fresh run then has its stages in order: backbone
+pretraining when `config.pretrain.steps` asks for it (also its own command, `ood-jax pretrain`),
+the initial state, the starting backbone weights. Evaluation only restores a checkpoint.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
-import os
 import pathlib
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax
@@ -25,13 +31,14 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 from absl import logging
 from clu import metric_writers, periodic_actions
-from flax import serialization
+from flax import linen as nn
 
-from ood_jax.data import building, counts, pipeline
-from ood_jax.models import convert, convert_vit, detr, registry, vit
-from ood_jax import sharding
-from ood_jax.detection import evaluation as detection_eval
-from ood_jax.train import checkpoint, objectives, optim, pretrain
+from ood_jax import datasets, sharding
+from ood_jax.data import counts, pipeline
+from ood_jax.detection import evaluation
+from ood_jax.metrics import coco
+from ood_jax.models import backbones, registry
+from ood_jax.train import checkpoint, optim, pretrain
 
 
 @flax.struct.dataclass
@@ -46,21 +53,18 @@ class NonFiniteLossError(RuntimeError):
     pass
 
 
+# What the pretraining stage writes into the workdir (see `pretrain.py`).
+PRETRAINED_BACKBONE = "backbone_pretrained.msgpack"
+
+
 def load_builder(config: ml_collections.ConfigDict) -> tfds.core.DatasetBuilder:
     """The prepared dataset; synthetic data is built on first use, real data must be built."""
-    import tfds_builders  # noqa: F401  (registers our builders with TFDS)
-
-    data_dir = os.path.expanduser(config.data_dir)
-    builder = tfds.builder(config.name, data_dir=data_dir)
-    if builder.is_prepared():
-        return builder
-    if not config.get("build_if_missing", False):
-        raise FileNotFoundError(
-            f"config.dataset: {config.name} is not prepared in {data_dir}; run "
-            f"`ood-jax build {config.name.split('/')[0]} --source SRC --data-dir {data_dir}`"
+    try:
+        return datasets.load(
+            config.name, config.data_dir, build_if_missing=config.get("build_if_missing", False)
         )
-    name, _, builder_config = config.name.partition("/")
-    return building.build(name, data_dir=data_dir, config=builder_config or None)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"config.dataset: {e}") from None
 
 
 def experiment_splits(config: ml_collections.ConfigDict) -> dict[str, str]:
@@ -89,7 +93,7 @@ def create_train_state(model, optimizer, rng, image_shape):
     )
 
 
-def train_step(state: TrainState, batch, rng, *, loss_fn: objectives.LossFn, optimizer):
+def train_step(state: TrainState, batch, rng, *, loss_fn: registry.LossFn, optimizer):
     """Forward, matching, loss, backward, update: one pure function."""
     rng = jax.random.fold_in(rng, state.step)
 
@@ -107,16 +111,16 @@ def train_step(state: TrainState, batch, rng, *, loss_fn: objectives.LossFn, opt
     return state, metrics
 
 
-def jit_train_step(config: ml_collections.ConfigDict, env: dict[str, Any]):
+def jit_train_step(config: ml_collections.ConfigDict, experiment: Experiment):
     """`train_step` jitted on the run's shardings, the state's buffers donated."""
     return jax.jit(
         functools.partial(
             train_step,
-            loss_fn=objectives.make_loss(config, env["model"]),
-            optimizer=env["optimizer"],
+            loss_fn=registry.family(config.model.name).make_loss(config, experiment.model),
+            optimizer=experiment.optimizer,
         ),
-        in_shardings=(env["state_sharding"], env["data_sharding"], None),
-        out_shardings=(env["state_sharding"], None),
+        in_shardings=(experiment.state_sharding, experiment.data_sharding, None),
+        out_shardings=(experiment.state_sharding, None),
         donate_argnums=(0,),
     )
 
@@ -128,26 +132,26 @@ def predict_step(state: TrainState, batch, *, model):
         batch["image_mask"],
         train=False,
     )
-    return registry.postprocess_for(model)(outputs)
+    return registry.family_of(model).postprocess(outputs)
 
 
 def load_pretrained_backbone(
-    state: TrainState, model_args, path: str | pathlib.Path, state_sharding
+    state: TrainState,
+    model_args,
+    path: str | pathlib.Path,
+    state_sharding,
+    *,
+    model_name: str | None = None,
 ) -> TrainState:
     """Replaces the backbone with pretrained weights: torchvision/timm ResNet or timm ViT
-    files, or the variables `pretrain.pretrain_backbone` writes (.msgpack)."""
+    files, or the variables `pretrain.pretrain_backbone` writes (.msgpack).
+
+    The file is read by the `load_backbone` of the family `model_name` (config.model.name)
+    names; without one, by `backbones.load_backbone`, which every family's is today.
+    """
     path = pathlib.Path(path)
-    if path.suffix == ".msgpack":
-        variables = serialization.msgpack_restore(path.read_bytes())
-    elif model_args.backbone in vit.VARIANTS:
-        _, variables = convert_vit.vit_from_timm(convert.load_state_dict(path))
-    else:
-        module = detr.build_backbone(
-            model_args.backbone,
-            model_args.get("backbone_norm", "frozen"),
-            model_args.get("dilation", False),
-        )
-        variables = convert.resnet_from_torch(convert.load_state_dict(path), module)
+    load = registry.family(model_name).load_backbone if model_name else backbones.load_backbone
+    variables = load(model_args, path)
     params = {**state.params, "backbone": variables["params"]}
     model_state = dict(state.model_state)
     if "batch_stats" in variables:
@@ -166,8 +170,29 @@ def load_pretrained_backbone(
     return jax.device_put(loaded, state_sharding)
 
 
-def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path):
-    """Everything train and evaluate share: mesh, data, model, sharded state, checkpoints."""
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    """What training and evaluating one config share, built once by `setup`."""
+
+    mesh: jax.sharding.Mesh
+    data_sharding: jax.sharding.NamedSharding
+    builder: tfds.core.DatasetBuilder
+    splits: Mapping[str, str]  # "train", "iid" and each held-out domain -> TFDS split
+    steps_per_epoch: float
+    model: nn.Module
+    optimizer: optax.GradientTransformation
+    schedules: Mapping[str, optax.Schedule]  # optimizer group -> learning rate schedule
+    abstract_state: TrainState  # shapes, dtypes and shardings, no buffers
+    state_sharding: Any
+    init_rng: jax.Array
+    train_rng: jax.Array
+    checkpointer: checkpoint.Checkpointer
+    # Jitted once, so periodic evaluations reuse one compilation: (state, batch) -> detections.
+    predict: Callable[[TrainState, dict[str, jax.Array]], dict[str, jax.Array]]
+
+
+def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> Experiment:
+    """Mesh, data, model, optimizer and the state's layout; no parameters are created."""
     if config.get("distributed", False):
         jax.distributed.initialize()
     # tf.data must not grab accelerators meant for JAX.
@@ -182,8 +207,7 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path):
     steps_per_epoch = num_train / config.input.batch_size
 
     model = registry.build_model(config.model)
-    rng = jax.random.key(config.seed)
-    init_rng, train_rng = jax.random.split(rng)
+    init_rng, train_rng = jax.random.split(jax.random.key(config.seed))
     image_shape = (config.input.image_size, config.input.image_size, 3)
 
     abstract_params = jax.eval_shape(
@@ -196,78 +220,134 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path):
         init_rng,
     )
     optimizer, schedules = optim.make_optimizer(config.optim, abstract_params, steps_per_epoch)
-    init = functools.partial(create_train_state, model, optimizer, image_shape=image_shape)
-    abstract_state = jax.eval_shape(init, init_rng)
-    state_sharding = sharding.tree_shardings(abstract_state, mesh, config.partition_rules)
-    state = jax.jit(init, out_shardings=state_sharding)(init_rng)
-    backbone_weights = config.model.get("backbone_weights")
-    if not backbone_weights and config.get("pretrain") and config.pretrain.steps:
-        backbone_weights = workdir / "backbone_pretrained.msgpack"
-        if not backbone_weights.exists():
-            pretrain.pretrain_backbone(config, builder, splits["train"], backbone_weights)
-    if backbone_weights:
-        state = load_pretrained_backbone(state, config.model.args, backbone_weights, state_sharding)
-
-    ckpt = checkpoint.Checkpointer(
-        workdir, every_steps=config.checkpoint_every, keep=config.keep_checkpoints
+    shapes = jax.eval_shape(
+        functools.partial(create_train_state, model, optimizer, image_shape=image_shape), init_rng
     )
-    return {
-        "mesh": mesh,
-        "data_sharding": data_sharding,
-        "builder": builder,
-        "splits": splits,
-        "steps_per_epoch": steps_per_epoch,
-        "model": model,
-        "optimizer": optimizer,
-        "schedules": schedules,
-        "state": state,
-        "state_sharding": state_sharding,
-        "train_rng": train_rng,
-        "checkpointer": ckpt,
-        # Jitted once, so periodic evaluations reuse one compilation.
-        "predict": jax.jit(
+    state_sharding = sharding.tree_shardings(shapes, mesh, config.partition_rules)
+    abstract_state = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, state_sharding
+    )
+    return Experiment(
+        mesh=mesh,
+        data_sharding=data_sharding,
+        builder=builder,
+        splits=splits,
+        steps_per_epoch=steps_per_epoch,
+        model=model,
+        optimizer=optimizer,
+        schedules=schedules,
+        abstract_state=abstract_state,
+        state_sharding=state_sharding,
+        init_rng=init_rng,
+        train_rng=train_rng,
+        checkpointer=checkpoint.Checkpointer(
+            workdir, every_steps=config.checkpoint_every, keep=config.keep_checkpoints
+        ),
+        predict=jax.jit(
             functools.partial(predict_step, model=model),
             in_shardings=(state_sharding, data_sharding),
         ),
+    )
+
+
+def initial_state(config: ml_collections.ConfigDict, experiment: Experiment) -> TrainState:
+    """A fresh state, born sharded (`jax.jit` with out_shardings)."""
+    image_shape = (config.input.image_size, config.input.image_size, 3)
+    init = functools.partial(
+        create_train_state, experiment.model, experiment.optimizer, image_shape=image_shape
+    )
+    return jax.jit(init, out_shardings=experiment.state_sharding)(experiment.init_rng)
+
+
+def pretrained_backbone_path(
+    config: ml_collections.ConfigDict, workdir: pathlib.Path
+) -> pathlib.Path | None:
+    """Where the backbone's starting weights are: `config.model.backbone_weights`, or what the
+    pretraining stage writes into the workdir when `config.pretrain.steps` asks for one."""
+    if config.model.get("backbone_weights"):
+        return pathlib.Path(config.model.backbone_weights)
+    if config.get("pretrain") and config.pretrain.steps:
+        return workdir / PRETRAINED_BACKBONE
+    return None
+
+
+def pretrain_stage(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> pathlib.Path:
+    """Backbone pretraining (`ood-jax pretrain`, and `train`'s first stage when configured):
+    writes WORKDIR/backbone_pretrained.msgpack unless it is there already."""
+    workdir = pathlib.Path(workdir)
+    if not (config.get("pretrain") and config.pretrain.steps):
+        raise ValueError("config.pretrain.steps: 0, so there is no pretraining stage to run")
+    out = workdir / PRETRAINED_BACKBONE
+    if out.exists():
+        print(f"Backbone pretraining: {out} exists, kept.")
+        return out
+    workdir.mkdir(parents=True, exist_ok=True)
+    tf.config.set_visible_devices([], "GPU")
+    builder = load_builder(config.dataset)
+    return pretrain.pretrain_backbone(
+        config, builder, experiment_splits(config.dataset)["train"], out
+    )
+
+
+def ground_truths(config, experiment: Experiment) -> dict[str, coco.GroundTruth]:
+    """COCO ground truth of every evaluated split ("iid" and each held-out domain), read once."""
+    return {
+        name: evaluation.coco_ground_truth(experiment.builder, experiment.splits[name])
+        for name in ("iid", *(counts.canonical_domain(d) for d in config.dataset.target_domains))
     }
 
 
-def evaluate_all(config, env, state) -> dict[str, Any]:
+def evaluate_all(
+    config, experiment: Experiment, state, ground_truth: Mapping[str, coco.GroundTruth]
+) -> dict[str, Any]:
     """COCO numbers on the in-domain test split and on each held-out domain."""
-    predict = env["predict"]
     eval_input = ml_collections.ConfigDict(config.input.to_dict())
     eval_input.batch_size = config.eval_batch_size
-    run = functools.partial(
-        detection_eval.evaluate_split,
-        lambda batch: predict(state, batch),
-        env["builder"],
-        input_config=eval_input,
-        data_sharding=env["data_sharding"],
-    )
-    iid = run(env["splits"]["iid"])
-    per_domain = {
-        domain: run(env["splits"][domain])
-        for domain in (counts.canonical_domain(d) for d in config.dataset.target_domains)
-    }
-    return detection_eval.summarize(int(state.step), iid, per_domain)
+
+    def run(name: str) -> coco.CocoEvalResult:
+        return evaluation.evaluate_split(
+            lambda batch: experiment.predict(state, batch),
+            experiment.builder,
+            experiment.splits[name],
+            input_config=eval_input,
+            data_sharding=experiment.data_sharding,
+            ground_truth=ground_truth[name],
+        )
+
+    iid = run("iid")
+    per_domain = {name: run(name) for name in ground_truth if name != "iid"}
+    return evaluation.summarize(int(state.step), iid, per_domain)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    env = setup(config, workdir)
-    state, ckpt = env["state"], env["checkpointer"]
+    experiment = setup(config, workdir)
+    ckpt = experiment.checkpointer
 
     # ----------------------------------------------------------------------------------------
-    # Resume.
+    # Resume, or start: backbone pretraining (its own stage) and the initial state.
     # ----------------------------------------------------------------------------------------
-    start_step = 0
     latest = ckpt.latest_step()
     if latest is not None:
-        state, meta = ckpt.restore(latest, state)
+        state, meta = ckpt.restore(latest, experiment.abstract_state)
         start_step = int(state.step)
         logging.info("Resumed from the checkpoint at step %d (workdir %s).", start_step, workdir)
         print(f"Resumed from step {start_step} of {workdir}; continuing to {config.total_steps}.")
+    else:
+        start_step = 0
+        backbone_weights = pretrained_backbone_path(config, workdir)
+        if backbone_weights == workdir / PRETRAINED_BACKBONE:
+            pretrain_stage(config, workdir)
+        state = initial_state(config, experiment)
+        if backbone_weights:
+            state = load_pretrained_backbone(
+                state,
+                config.model.args,
+                backbone_weights,
+                experiment.state_sharding,
+                model_name=config.model.name,
+            )
     if _is_primary():
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
 
@@ -276,11 +356,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     )
     train_input = ml_collections.ConfigDict(config.input.to_dict())
     train_input.seed = config.seed
-    batches = pipeline.train_iterator(
-        env["builder"], env["splits"]["train"], train_input, start_step=start_step
+    batches = sharding.start_global(
+        pipeline.train_iterator(
+            experiment.builder, experiment.splits["train"], train_input, start_step=start_step
+        ),
+        experiment.data_sharding,
+        host_keys=pipeline.HOST_ONLY_KEYS,
     )
+    ground_truth = ground_truths(config, experiment)
 
-    step_fn = jit_train_step(config, env)
+    step_fn = jit_train_step(config, experiment)
     report = periodic_actions.ReportProgress(
         num_train_steps=config.total_steps, writer=writer, every_steps=config.log_every
     )
@@ -292,11 +377,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     pending: list[dict[str, jax.Array]] = []
     started = time.perf_counter()
     for step in range(start_step + 1, config.total_steps + 1):
-        host_batch = next(batches)
-        batch = pipeline.to_global_array(
-            {k: v for k, v in host_batch.items() if k != "image_id"}, env["data_sharding"]
-        )
-        state, metrics = step_fn(state, batch, env["train_rng"])
+        batch, _ = next(batches)
+        state, metrics = step_fn(state, batch, experiment.train_rng)
         pending.append(metrics)
         report(step)
 
@@ -317,7 +399,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         if log_due:
             summary = {k: float(np.mean([m[k] for m in pending])) for k in pending[0]}
             pending = []
-            summary["learning_rate"] = float(env["schedules"]["transformer"](step))
+            summary["learning_rate"] = float(experiment.schedules["transformer"](step))
             writer.write_scalars(step, summary)
             if _is_primary():
                 elapsed = time.perf_counter() - started
@@ -332,7 +414,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         ckpt.save(step, state, meta, force=step == config.total_steps)
 
         if config.eval_every and step % config.eval_every == 0 and step != config.total_steps:
-            results = evaluate_all(config, env, state)
+            results = evaluate_all(config, experiment, state, ground_truth)
             writer.write_scalars(step, {"eval/iid_AP": results["iid"]["AP"]})
     ckpt.wait()
     # Released before the final evaluation: torn down at function exit instead, the input
@@ -342,9 +424,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     # ----------------------------------------------------------------------------------------
     # Final evaluation.
     # ----------------------------------------------------------------------------------------
-    results = evaluate_all(config, env, state)
+    results = evaluate_all(config, experiment, state, ground_truth)
     if _is_primary():
-        detection_eval.write_results(workdir, results, config.model_name)
+        evaluation.write_results(workdir, results, config.model_name)
         writer.write_scalars(
             int(state.step),
             {"eval/iid_AP": results["iid"]["AP"], "eval/ood_AP": results["ood_average"]["AP"]},
@@ -357,14 +439,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 def evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     """Evaluates the newest checkpoint in `workdir` and writes the results there."""
     workdir = pathlib.Path(workdir)
-    env = setup(config, workdir)
-    ckpt = env["checkpointer"]
+    experiment = setup(config, workdir)
+    ckpt = experiment.checkpointer
     latest = ckpt.latest_step()
     if latest is None:
         raise FileNotFoundError(f"no checkpoint in {ckpt.directory}")
-    state, _ = ckpt.restore(latest, env["state"])
-    results = evaluate_all(config, env, state)
+    state, _ = ckpt.restore(latest, experiment.abstract_state)
+    results = evaluate_all(config, experiment, state, ground_truths(config, experiment))
     if _is_primary():
-        detection_eval.write_results(workdir, results, config.model_name)
+        evaluation.write_results(workdir, results, config.model_name)
     ckpt.close()
     return results

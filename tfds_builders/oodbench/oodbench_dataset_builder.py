@@ -30,20 +30,19 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import pathlib
 import random
-import urllib.parse
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from ood_jax.data import building
 from ood_jax import prompts
+from ood_jax.data import building, oodbench
+from ood_jax.data.oodbench import category_text
 
-SPLITS = {"ID": "id", "OOD-S": "ood_s", "OOD-H": "ood_h"}
+SPLITS = oodbench.SPLITS
 
 LEVELS = ("existential", "counting", "logical")
 
@@ -56,166 +55,18 @@ SKIPPED_LOGICAL = "bap logical questions skipped: a count is undefined (crowd or
 
 
 @dataclasses.dataclass
-class _Image:
-    id: int
-    file_name: str
-    counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    crowd: set[int] = dataclasses.field(default_factory=set)
-    not_exhaustive: set[int] = dataclasses.field(default_factory=set)
-    # None (COCO): every unannotated category is absent; a set (LVIS): only those are.
-    negatives: set[int] | None = None
-
-    def presence(self, category: int) -> bool | None:
-        """True or False, or None where the annotations do not say."""
-        if category in self.counts or category in self.crowd or category in self.not_exhaustive:
-            return True
-        if self.negatives is None or category in self.negatives:
-            return False
-        return None
-
-    def count(self, category: int) -> int | None:
-        """Instances of `category`, or None where the annotations do not give the number."""
-        if category in self.crowd or category in self.not_exhaustive:
-            return None
-        return self.counts[category]
-
-    def annotated(self) -> list[int]:
-        return sorted(set(self.counts) | self.crowd)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Instance:
-    image_id: int
-    category: int
-
-
-@dataclasses.dataclass
 class _Source:
     images_dir: pathlib.Path
     categories: dict[int, str]
-    images: dict[int, _Image]
-    instances: dict[str, list[_Instance]]  # TFDS split -> instances in file order
+    images: dict[int, oodbench.AnnotatedImage]
+    instances: dict[str, list[oodbench.Instance]]  # TFDS split -> instances in file order
 
 
-def _int_id(value: Any, where: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise building.BuildError(f"{where}: expected an integer id, got {value!r}")
-    return value
-
-
-def _file_name_from_url(url: Any) -> str | None:
-    if not isinstance(url, str):
-        return None
-    return pathlib.PurePosixPath(urllib.parse.urlparse(url).path).name or None
-
-
-def _read_annotations(
-    path: pathlib.Path,
-) -> tuple[dict[int, str], dict[str, int | None], dict[int, _Image]]:
-    """(category id -> name, name or LVIS synonym -> id, image id -> image) from the JSON.
-
-    A synonym that two categories share maps to None; a category's own name wins over synonyms.
-    """
-    data = building.load_json(path)
-    building.require(data, ("images", "annotations", "categories"), str(path))
-    categories: dict[int, str] = {}
-    names: dict[str, int | None] = {}
-    synonyms: list[tuple[str, int]] = []
-    for i, category in enumerate(data["categories"]):
-        where = f"{path}: categories[{i}]"
-        building.require(category, ("id", "name"), where)
-        category_id, name = _int_id(category["id"], f"{where}.id"), category["name"]
-        if not isinstance(name, str) or name in names:
-            raise building.BuildError(f"{where}: missing or duplicate name {name!r}")
-        categories[category_id], names[name] = name, category_id
-        synonyms += [(s, category_id) for s in category.get("synonyms", ()) if s != name]
-    own_names = set(names)
-    for synonym, category_id in synonyms:
-        if synonym not in own_names:
-            names[synonym] = category_id if names.get(synonym, category_id) == category_id else None
-    images: dict[int, _Image] = {}
-    for i, record in enumerate(data["images"]):
-        where = f"{path}: images[{i}]"
-        building.require(record, ("id",), where)
-        image_id = _int_id(record["id"], f"{where}.id")
-        file_name = record.get("file_name") or _file_name_from_url(record.get("coco_url"))
-        if not file_name:
-            raise building.BuildError(f"{where}: neither 'file_name' nor 'coco_url' names a file")
-        if image_id in images:
-            raise building.BuildError(f"{where}: duplicate image id {image_id}")
-        negatives = record.get("neg_category_ids")
-        images[image_id] = _Image(
-            id=image_id,
-            file_name=file_name,
-            not_exhaustive=set(record.get("not_exhaustive_category_ids", ())),
-            negatives=None if negatives is None else set(negatives),
-        )
-    for i, annotation in enumerate(data["annotations"]):
-        where = f"{path}: annotations[{i}]"
-        building.require(annotation, ("image_id", "category_id"), where)
-        image = images.get(_int_id(annotation["image_id"], f"{where}.image_id"))
-        category = _int_id(annotation["category_id"], f"{where}.category_id")
-        if image is None:
-            raise building.BuildError(f"{where}: unknown image_id {annotation['image_id']}")
-        if category not in categories:
-            raise building.BuildError(f"{where}: unknown category_id {category}")
-        if annotation.get("iscrowd", 0):
-            image.crowd.add(category)
-        else:
-            image.counts[category] += 1
-    return categories, names, images
-
-
-def _read_splits(
-    path: pathlib.Path, images: dict[int, _Image], names: dict[str, int | None]
-) -> dict[str, list[_Instance]]:
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        raise building.BuildError(f"{path}: file not found") from None
-    instances: dict[str, list[_Instance]] = {split: [] for split in SPLITS.values()}
-    first_line: dict[tuple[int, int], int] = {}
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path}: line {number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise building.BuildError(f"{path}: malformed JSON on line {number}: {e.msg}") from None
-        building.require(record, ("image_id", "category", "split"), where)
-        image_id, name, label = record["image_id"], record["category"], record["split"]
-        if not isinstance(image_id, int) or isinstance(image_id, bool) or image_id not in images:
-            raise building.BuildError(f"{where}: unknown image_id {image_id!r}")
-        if not isinstance(name, str) or name not in names:
-            raise building.BuildError(f"{where}: unknown category {name!r}")
-        if names[name] is None:
-            raise building.BuildError(f"{where}: category {name!r} is a synonym of several")
-        if not isinstance(label, str) or label not in SPLITS:
-            raise building.BuildError(
-                f"{where}: unknown split {label!r}; expected one of {', '.join(SPLITS)}"
-            )
-        key = (image_id, names[name])
-        if key in first_line:
-            raise building.BuildError(
-                f"{where}: image {image_id} with category {name!r} is already on line "
-                f"{first_line[key]}"
-            )
-        first_line[key] = number
-        instances[SPLITS[label]].append(_Instance(image_id, names[name]))
-    return instances
-
-
-def _by_image(instances: list[_Instance]) -> dict[int, list[_Instance]]:
-    groups: dict[int, list[_Instance]] = collections.defaultdict(list)
+def _by_image(instances: list[oodbench.Instance]) -> dict[int, list[oodbench.Instance]]:
+    groups: dict[int, list[oodbench.Instance]] = collections.defaultdict(list)
     for instance in instances:
         groups[instance.image_id].append(instance)
     return groups
-
-
-def _text(name: str) -> str:
-    # LVIS names join words with underscores ("baseball_bat"); questions are natural language.
-    return name.replace("_", " ")
 
 
 def _bap(level: str, question: str, answer: str, categories: list[str]) -> dict:
@@ -265,8 +116,8 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
 
     def _split_generators(self, dl_manager) -> dict[str, Iterator]:
         root = self.source_dir(dl_manager)
-        categories, names, images = _read_annotations(root / "annotations.json")
-        instances = _read_splits(root / "splits.jsonl", images, names)
+        categories, names, images = oodbench.read_annotations(root / "annotations.json")
+        instances = oodbench.read_splits(root / "splits.jsonl", images, names)
         source = _Source(root / "images", categories, images, instances)
         plan = self._bap_questions if self.builder_config.name == "bap" else self._yes_no_questions
         generators = {}
@@ -321,7 +172,7 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
                 ):
                     example = {
                         "category": name,
-                        "question": template.format(category=_text(name)),
+                        "question": template.format(category=category_text(name)),
                         "answer": "yes" if answer else "no",
                         "count": -1 if count is None else count,
                         "kind": kind,
@@ -332,7 +183,7 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
         return questions
 
     def _bap_pair(
-        self, image: _Image, group: list[_Instance], split: str
+        self, image: oodbench.AnnotatedImage, group: list[oodbench.Instance], split: str
     ) -> tuple[int, int] | None:
         """The test sample's (A, B), or None (counted) when the image gives none."""
         annotated = image.annotated()
@@ -360,14 +211,14 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
             counts = [image.count(c) for c in pair]
             examples = []
             for category, name, count in zip(pair, names, counts):
-                question = prompts.BAP_EXISTENTIAL_QUESTION.format(category=_text(name))
+                question = prompts.BAP_EXISTENTIAL_QUESTION.format(category=category_text(name))
                 examples.append(
                     (f"existential/{category}", _bap("existential", question, "yes", [name]))
                 )
                 if count is None:
                     self.report.notes[SKIPPED_COUNTING] += 1
                     continue
-                question = prompts.BAP_COUNTING_QUESTION.format(category=_text(name))
+                question = prompts.BAP_COUNTING_QUESTION.format(category=category_text(name))
                 examples.append(
                     (f"counting/{category}", _bap("counting", question, str(count), [name]))
                 )
@@ -375,7 +226,7 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
                 self.report.notes[SKIPPED_LOGICAL] += 1
             else:
                 question = prompts.BAP_LOGICAL_QUESTION.format(
-                    first=_text(names[0]), second=_text(names[1])
+                    first=category_text(names[0]), second=category_text(names[1])
                 )
                 answer = "yes" if counts[0] > counts[1] else "no"
                 examples.append(

@@ -1,17 +1,20 @@
-"""The benchmarks `ood-jax eval-mllm` runs, by name.
+"""The tasks `ood-jax eval-mllm` runs, by name: `make_benchmark(name, ...)`.
 
-foci          FOCI multiple choice (bench_foci)
-oodbench      OODBench yes/no questions, plain or chain-of-thought (bench_oodbench)
-oodbench-bap  OODBench Basic-to-Advanced Progression questions (bench_oodbench)
-counts-oodg   COUNTS OODG grounding, localization and mapping items (bench_counts)
+foci          FOCI multiple choice (tasks/foci.py)
+oodbench      OODBench yes/no questions, plain or chain-of-thought (tasks/oodbench.py)
+oodbench-bap  OODBench Basic-to-Advanced Progression questions (tasks/oodbench.py)
+counts-oodg   COUNTS OODG grounding, localization and mapping items (tasks/counts_oodg.py)
+
+What every task shares (Item, the Benchmark interface the runner drives, reading built TFDS
+datasets, summaries and tables) is in tasks/base.py.
 """
 
 from __future__ import annotations
 
-from ood_jax.eval.bench_common import Benchmark, Item, ItemsError, dataset_dir
-from ood_jax.eval.bench_counts import OODG_SETTINGS, OODG_TASKS, CountsOodg, read_oodg_items
-from ood_jax.eval.bench_foci import PARSE_MODES, Foci
-from ood_jax.eval.bench_oodbench import OODBENCH_SETTINGS, OodBench, OodBenchBap
+from ood_jax.eval.tasks.base import Benchmark, Item, ItemsError, dataset_dir
+from ood_jax.eval.tasks.counts_oodg import OODG_SETTINGS, OODG_TASKS, CountsOodg, read_oodg_items
+from ood_jax.eval.tasks.foci import PARSE_MODES, Foci
+from ood_jax.eval.tasks.oodbench import OODBENCH_SETTINGS, OodBench, OodBenchBap
 
 BENCHMARKS = ("foci", "counts-oodg", "oodbench", "oodbench-bap")
 

@@ -1,5 +1,7 @@
-"""What every benchmark of `ood-jax eval-mllm` shares: the item, the benchmark interface, reading
-built TFDS datasets, and the summaries and tables the results are made of.
+"""What every task of `ood-jax eval-mllm` shares: the item, the Benchmark interface (what
+eval/runner.py and eval/clip_baseline.py drive; the tasks in tasks/foci.py, tasks/oodbench.py and
+tasks/counts_oodg.py implement it), reading built TFDS datasets, and the summaries and tables the
+results are made of.
 
 Every reply that cannot be read, and every request that failed, counts as a wrong answer; how
 many there were is reported next to each number.

@@ -17,6 +17,9 @@ items.jsonl holds one JSON object per line:
      "category": str | null (localization: the category asked for), "image_size": [w, h]}
 
 The number of in-context examples of an item is len(images) - 1.
+
+A task of ood_jax.eval.tasks (interface in tasks/base.py); prompts from ood_jax.prompts, replies
+read by ood_jax.eval.parsing, mAP from ood_jax.metrics.coco.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import numpy as np
 
 from ood_jax import prompts
 from ood_jax.eval import parsing
-from ood_jax.eval.bench_common import (
+from ood_jax.eval.tasks.base import (
     Benchmark,
     Item,
     ItemsError,

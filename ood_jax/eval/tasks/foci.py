@@ -1,6 +1,9 @@
 """FOCI (TFDS `foci/<config>`, split `test`): four-way multiple choice, accuracy per dataset and
 their mean as FOCI's Table 2. Replies are read with FOCI's rule (the reply begins with the
 letter, Appendix A) or the strict parser.
+
+A task of ood_jax.eval.tasks (interface in tasks/base.py); prompts from ood_jax.prompts, replies
+read by ood_jax.eval.parsing.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import numpy as np
 
 from ood_jax import prompts
 from ood_jax.eval import parsing
-from ood_jax.eval.bench_common import (
+from ood_jax.eval.tasks.base import (
     Benchmark,
     Item,
     answer_summary,

@@ -3,6 +3,9 @@
 Yes/no questions: accuracy, precision, recall, F1 and MCC on ID, OOD-S and OOD-H (the paper's
 main table), with the paper's questions (setting `plain`) or its chain-of-thought wording (`cot`,
 the verdict read from the end of the reply). BAP: E-Acc, C-Acc, L-Acc and the overall C/N.
+
+Tasks of ood_jax.eval.tasks (interface in tasks/base.py); prompts from ood_jax.prompts, replies
+read by ood_jax.eval.parsing, metrics from ood_jax.metrics.classification.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import numpy as np
 
 from ood_jax import prompts
 from ood_jax.eval import parsing
-from ood_jax.eval.bench_common import (
+from ood_jax.eval.tasks.base import (
     Benchmark,
     Item,
     answer_summary,
