@@ -29,8 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ml_collections  # noqa: E402
 
+from ood_jax import datasets  # noqa: E402
 from ood_jax.data import counts, pipeline  # noqa: E402
-from tfds_builders.synthetic_shifts import synthetic_shifts_dataset_builder  # noqa: E402
 
 RESUME_STEP = 10_000
 
@@ -42,9 +42,8 @@ def _first_batch_seconds(builder, split: str, config, start_step: int) -> float:
 
 
 def run(args: argparse.Namespace, data_dir: str) -> None:
-    builder = synthetic_shifts_dataset_builder.Builder(config="demo", data_dir=data_dir)
     start = time.perf_counter()
-    builder.download_and_prepare()
+    builder = datasets.build("synthetic_shifts", data_dir, config="demo")
     built = time.perf_counter() - start
     split = counts.split_expression("train", counts.DOMAINS)
     config = ml_collections.ConfigDict(
