@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 import time
@@ -129,7 +130,11 @@ def _export(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ood-jax", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="ood-jax",
+        description=__doc__,
+        epilog=f"--debug (anywhere) or {DEBUG_ENV}=1 shows the traceback of an error.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("coco-eval", help="COCO bbox evaluation of a detections JSON file")
@@ -194,11 +199,38 @@ DETECTOR_COMMANDS = {
 }
 
 
+def _check_config_flags(argv: Sequence[str]) -> None:
+    """Fails with one line on a missing config file, an unknown variant or an unknown
+    `--config.field` override, before absl reports them as tracebacks."""
+    import difflib
+
+    import ml_collections
+
+    specs = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    if not specs:
+        return
+    config = config_files.load_spec(specs[-1])
+    for arg in argv:
+        if not arg.startswith("--config."):
+            continue
+        name = arg[len("--config.") :].split("=", 1)[0]
+        node, path = config, "config"
+        for part in name.split("."):
+            if not isinstance(node, ml_collections.ConfigDict):
+                break
+            if part not in node:
+                close = difflib.get_close_matches(part, list(node.keys()), n=3)
+                hint = f"; did you mean {', '.join(close)}?" if close else ""
+                raise ValueError(f"--config.{name}: {path} has no field {part!r}{hint}")
+            node, path = node[part], f"{path}.{part}"
+
+
 def _train_or_evaluate(command: str, argv: Sequence[str]) -> None:
     """`pretrain`, `train` and `evaluate`: config flags --config=FILE[:arg] --config.x=v."""
     from absl import flags
     from ml_collections import config_flags
 
+    _check_config_flags(argv)
     flag_values = flags.FlagValues()
     # sys_argv: overrides (--config.x=v) are read from argv, not from the process's sys.argv.
     config_flags.DEFINE_config_file(
@@ -235,13 +267,31 @@ def _train_or_evaluate(command: str, argv: Sequence[str]) -> None:
     print((pathlib.Path(flag_values.workdir) / "results.md").read_text())
 
 
+# A user's mistake (a missing file, a bad value, an unknown name) surfaces as one of these, with
+# a message naming the file, field or value; `--debug` or OOD_JAX_DEBUG=1 keeps the traceback.
+USER_ERRORS = (ValueError, OSError)
+DEBUG_ENV = "OOD_JAX_DEBUG"
+
+
+def _error_line(error: BaseException) -> str:
+    message = " ".join(str(error).split()) or type(error).__name__
+    return f"error: {message} (--debug shows the traceback)"
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in DETECTOR_COMMANDS:
-        _train_or_evaluate(argv[0], argv[1:])
-        return
-    args = build_parser().parse_args(argv)
-    args.run(args)
+    debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        if argv and argv[0] in DETECTOR_COMMANDS:
+            _train_or_evaluate(argv[0], argv[1:])
+            return
+        args = build_parser().parse_args(argv)
+        args.run(args)
+    except USER_ERRORS as e:
+        if debug:
+            raise
+        raise SystemExit(_error_line(e)) from None
 
 
 if __name__ == "__main__":

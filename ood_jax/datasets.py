@@ -12,6 +12,7 @@ the builders in turn import only `ood_jax.data`, so there is no import circle. E
 from __future__ import annotations
 
 import os
+import pathlib
 
 import tensorflow_datasets as tfds
 
@@ -32,6 +33,26 @@ def _builder_cls(name: str):
         ) from None
 
 
+def _check_config(builder_cls, name: str, config: str | None) -> None:
+    configs = [c.name for c in builder_cls.BUILDER_CONFIGS]
+    if config is not None and config not in configs:
+        raise building.BuildError(
+            f"{name}: unknown config {config!r}; its configs are {', '.join(configs)} (--config)"
+        )
+
+
+def _check_writable(data_dir: str) -> None:
+    path = pathlib.Path(data_dir).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise building.BuildError(
+            f"--data-dir {data_dir}: cannot be created ({e.strerror}); pick a writable directory"
+        ) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise building.BuildError(f"--data-dir {data_dir}: not writable; pick a writable directory")
+
+
 def build(
     name: str,
     data_dir: str,
@@ -45,6 +66,8 @@ def build(
     skipped, dropped or clipped).
     """
     builder_cls = _builder_cls(name)
+    _check_config(builder_cls, name, config)
+    _check_writable(data_dir)
     kwargs = {"data_dir": data_dir, "config": config}
     if issubclass(builder_cls, building.SourceBuilder):
         kwargs["on_error"] = on_error
@@ -62,7 +85,7 @@ def load(name: str, data_dir: str, build_if_missing: bool = False) -> tfds.core.
     """
     data_dir = os.path.expanduser(data_dir)
     dataset, _, config = name.partition("/")
-    _builder_cls(dataset)
+    _check_config(_builder_cls(dataset), dataset, config or None)
     builder = tfds.builder(name, data_dir=data_dir)
     if builder.is_prepared():
         return builder

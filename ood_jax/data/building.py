@@ -62,12 +62,22 @@ def check_on_error(on_error: str) -> str:
     return on_error
 
 
-def load_json(path: str | pathlib.Path) -> Any:
+def read_text(path: str | pathlib.Path) -> str:
+    """A source text file, which must exist and be UTF-8; errors name the file."""
     path = pathlib.Path(path)
     try:
-        text = path.read_text()
+        return path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise BuildError(f"{path}: file not found") from None
+    except UnicodeDecodeError as e:
+        raise BuildError(
+            f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8"
+        ) from None
+
+
+def load_json(path: str | pathlib.Path) -> Any:
+    path = pathlib.Path(path)
+    text = read_text(path)
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:

@@ -67,10 +67,7 @@ def _add(labels: dict[str, str], image: str, label: str, where: str) -> None:
 
 
 def _read_lines(path: pathlib.Path) -> list[tuple[int, str]]:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise building.BuildError(f"{path}: file not found") from None
+    text = building.read_text(path)
     return [
         (number, line.strip())
         for number, line in enumerate(text.splitlines(), start=1)

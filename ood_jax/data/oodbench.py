@@ -132,10 +132,7 @@ def read_annotations(
 def read_splits(
     path: pathlib.Path, images: dict[int, AnnotatedImage], names: dict[str, int | None]
 ) -> dict[str, list[Instance]]:
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        raise building.BuildError(f"{path}: file not found") from None
+    lines = building.read_text(path).splitlines()
     instances: dict[str, list[Instance]] = {split: [] for split in SPLITS.values()}
     first_line: dict[tuple[int, int], int] = {}
     for number, line in enumerate(lines, start=1):

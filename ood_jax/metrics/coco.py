@@ -102,13 +102,10 @@ class GroundTruth:
             )
             crowd = np.fromiter((bool(a.get("iscrowd", 0)) for a in anns), bool, n)
             ann_ids = np.fromiter((a["id"] for a in anns), np.int64, n)
-        except (KeyError, TypeError) as e:
-            index = next(
-                i
-                for i, a in enumerate(anns)
-                if not _has_fields(a, ("image_id", "category_id", "bbox", "id"))
-            )
-            raise ValueError(f"annotation {index}: missing or malformed field ({e!r})") from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(
+                _malformed(anns, "annotation", ("image_id", "category_id", "bbox", "id"), e)
+            ) from None
         return cls.from_arrays(
             image_ids=image_ids,
             categories=[(int(c["id"]), str(c.get("name", c["id"]))) for c in categories],
@@ -196,12 +193,9 @@ def evaluate_detailed(
         category_id = np.fromiter(map(operator.itemgetter("category_id"), detections), np.int64, n)
         score = np.fromiter(map(operator.itemgetter("score"), detections), np.float64, n)
     except (KeyError, TypeError, ValueError) as e:
-        index = next(
-            i
-            for i, d in enumerate(detections)
-            if not _has_fields(d, ("image_id", "category_id", "score"))
-        )
-        raise ValueError(f"detection {index}: missing or malformed field ({e!r})") from None
+        raise ValueError(
+            _malformed(detections, "detection", ("image_id", "category_id", "score"), e)
+        ) from None
     boxes = _boxes_array(list(map(operator.itemgetter("bbox"), detections)), "detection")
     return _evaluate(gt, image_id, category_id, boxes, score)
 
@@ -258,8 +252,30 @@ def format_table(stats: Mapping[str, float]) -> str:
 # Input checks.
 
 
-def _has_fields(record, fields) -> bool:
-    return isinstance(record, Mapping) and all(f in record for f in fields)
+def _malformed(records: Sequence[Any], what: str, fields: Sequence[str], error: Exception) -> str:
+    """The message for the first record that lacks one of `fields` or holds a non-number there
+    (bbox: a list of numbers)."""
+
+    def number(value) -> bool:
+        return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+            value, bool
+        )
+
+    for i, record in enumerate(records):
+        if not isinstance(record, Mapping):
+            return f"{what} {i}: expected an object, got {type(record).__name__}"
+        for field in fields:
+            if field not in record:
+                return f"{what} {i}: missing field '{field}'"
+            value = record[field]
+            ok = (
+                all(map(number, value))
+                if field == "bbox" and isinstance(value, list)
+                else (number(value))
+            )
+            if not ok:
+                return f"{what} {i}: field '{field}' is {value!r}, expected a number"
+    return f"{what}s: malformed field ({error!r})"
 
 
 def _boxes_array(boxes: list, what: str) -> np.ndarray:

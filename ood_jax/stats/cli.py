@@ -158,6 +158,8 @@ def _vector_arguments(q: argparse.ArgumentParser) -> None:
 
 
 def _load_points(path: str) -> np.ndarray:
+    if not path.endswith(".npy"):
+        raise _fail(f"{path}: expected a .npy array of points [N, D] (numpy.save)")
     try:
         array = np.load(path, allow_pickle=False)
     except FileNotFoundError:
@@ -183,9 +185,12 @@ def _load_vector(path: str) -> np.ndarray:
             if "drops" not in data:
                 raise _fail(f"{path}: a JSON object needs a 'drops' list")
             data = data["drops"]
-        values = np.asarray(data, dtype=np.float64) if isinstance(data, list) else None
-        if values is None:
+        if not isinstance(data, list):
             raise _fail(f"{path}: expected a list of numbers")
+        for i, value in enumerate(data):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise _fail(f"{path}: entry {i} is {value!r}, expected a number")
+        values = np.asarray(data, dtype=np.float64)
     if values.ndim != 1:
         raise _fail(f"{path}: expected a vector, got shape {values.shape}")
     return values.astype(np.float64)

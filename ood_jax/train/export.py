@@ -46,7 +46,7 @@ def restore_inference_state(
     try:
         steps = manager.all_steps()
         if not steps:
-            raise FileNotFoundError(f"{directory}: no checkpoint")
+            raise FileNotFoundError(f"{directory}: no checkpoint; train first (`ood-jax train`)")
         if step is None:
             step = max(steps)
         elif step not in steps:
@@ -94,6 +94,10 @@ def export(
     the config's dataset when it is prepared. Returns the absolute path written.
     """
     out_path = pathlib.Path(out_path).absolute()
+    if out_path.is_dir():
+        raise IsADirectoryError(
+            f"--out {out_path}: is a directory; name the file to write, e.g. {out_path}/model.msgpack"
+        )
     step, variables, meta = restore_inference_state(workdir, step)
     if "config" not in meta:
         raise ValueError(f"{workdir}: the checkpoint at step {step} was saved without its config")

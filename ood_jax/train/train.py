@@ -443,7 +443,9 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     ckpt = experiment.checkpointer
     latest = ckpt.latest_step()
     if latest is None:
-        raise FileNotFoundError(f"no checkpoint in {ckpt.directory}")
+        raise FileNotFoundError(
+            f"no checkpoint in {ckpt.directory}: train first (`ood-jax train` on this --workdir)"
+        )
     state, _ = ckpt.restore(latest, experiment.abstract_state)
     results = evaluate_all(config, experiment, state, ground_truths(config, experiment))
     if _is_primary():
