@@ -121,6 +121,21 @@ def test_export_out_is_a_directory(tmp_path):
     assert f"--out {tmp_path}: is a directory" in message
 
 
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("total_steps=-5", "config.total_steps: must be >= 1, got -5"),
+        ("input.batch_size=0", "config.input.batch_size: must be >= 1, got 0"),
+        ("optim.lr=-0.1", "config.optim.lr: must be >= 0.0, got -0.1"),
+        ("optim.clip_norm=0.0", "config.optim.clip_norm: must be > 0.0, got 0.0"),
+    ],
+)
+def test_out_of_range_numbers_are_named(tmp_path, data_dir, override, field):
+    message = error_line(detector_argv("train", tmp_path / "run", data_dir, f"--config.{override}"))
+    assert field in message
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_debug_shows_the_traceback(tmp_path):
     with pytest.raises(FileNotFoundError):
         cli.main(["--debug", "train", f"--config={tmp_path / 'nope.py'}", f"--workdir={tmp_path}"])
@@ -155,6 +170,24 @@ def test_stats_vector_with_a_string(tmp_path):
         ["stats", "f-test", "--x", str(tmp_path / "a.json"), "--y", str(tmp_path / "b.json")]
     )
     assert f"{tmp_path / 'a.json'}: entry 1 is 'x', expected a number" in message
+
+
+@pytest.mark.parametrize(
+    "flag, value, expected",
+    [
+        ("--bandwidth", "0", "must be a finite number > 0"),
+        ("--permutations", "-1", "must be >= 0"),
+        ("--confidence", "1.5", "must lie strictly between 0 and 1"),
+    ],
+)
+def test_stats_numbers_are_checked(tmp_path, capsys, flag, value, expected):
+    for name in ("x", "y"):
+        np.save(tmp_path / f"{name}.npy", np.zeros((3, 2)))
+    points = ["--x", str(tmp_path / "x.npy"), "--y", str(tmp_path / "y.npy")]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["stats", "mmd", *points, flag, value])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: {expected}" in capsys.readouterr().err
 
 
 def test_stats_mmd_given_json(tmp_path):

@@ -387,6 +387,13 @@ def test_raising_total_steps_continues_a_finished_run(run_a, data_dir):
     assert all(np.isfinite(v).all() for v in state.values())
 
 
+def test_total_steps_below_the_saved_step_is_refused(run_a, data_dir):
+    """A workdir past config.total_steps is neither trained nor silently re-evaluated."""
+    config = smoke_config(data_dir, total_steps=2)
+    with pytest.raises(ValueError, match=r"config.total_steps: 2, but .* already holds step \d+"):
+        train.train_and_evaluate(config, str(run_a["workdir"]))
+
+
 # ------------------------------------------------------------------------------------------------
 # 4. A non-finite loss stops the run.
 # ------------------------------------------------------------------------------------------------

@@ -34,6 +34,43 @@ def emit(args: argparse.Namespace, result: dict, lines: list[str]) -> dict:
     return result
 
 
+def count(low: int):
+    """An argparse type: an integer >= `low`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def positive(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    """An argparse type: a number strictly between 0 and 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must lie strictly between 0 and 1, got {text}")
+    return value
+
+
 def _fail(message: str) -> SystemExit:
     return SystemExit(f"error: {message}")
 
@@ -60,7 +97,7 @@ def add_parsers(subparsers):
     )
     q.add_argument("k", type=int)
     q.add_argument("n", type=int)
-    q.add_argument("--confidence", type=float, default=0.95)
+    q.add_argument("--confidence", type=probability, default=0.95)
     q.add_argument("--prior", choices=("uniform", "jeffreys"), default="uniform")
 
     q = add_command(
@@ -68,7 +105,7 @@ def add_parsers(subparsers):
     )
     _points_arguments(q, "--x", "--y")
     q.add_argument(
-        "--permutations", type=int, default=1000, help="permutation test draws (0: none)"
+        "--permutations", type=count(0), default=1000, help="permutation test draws (0: none)"
     )
     _upper_bound_arguments(q)
 
@@ -80,8 +117,10 @@ def add_parsers(subparsers):
         _stats_equivalence,
     )
     _points_arguments(q, "--train", "--val")
-    q.add_argument("--splits", type=int, default=100, help="random splits of train for the margin")
-    q.add_argument("--quantile", type=float, default=0.95, help="margin quantile")
+    q.add_argument(
+        "--splits", type=count(1), default=100, help="random splits of train for the margin"
+    )
+    q.add_argument("--quantile", type=probability, default=0.95, help="margin quantile")
     _upper_bound_arguments(q)
 
     q = add_command(
@@ -133,13 +172,15 @@ def _points_arguments(q: argparse.ArgumentParser, first: str, second: str) -> No
     q.add_argument(first, required=True, help="points [N, D] (.npy)")
     q.add_argument(second, required=True, help="points [M, D] (.npy)")
     q.add_argument(
-        "--bandwidth", type=float, help="Gaussian kernel width (default: median heuristic)"
+        "--bandwidth",
+        type=positive,
+        help="Gaussian kernel width (default: median heuristic)",
     )
     q.add_argument("--seed", type=int, default=0)
 
 
 def _upper_bound_arguments(q: argparse.ArgumentParser) -> None:
-    q.add_argument("--confidence", type=float, default=0.95, help="of the MMD^2 upper bound")
+    q.add_argument("--confidence", type=probability, default=0.95, help="of the MMD^2 upper bound")
     q.add_argument(
         "--method",
         choices=stats.UPPER_BOUND_METHODS,
@@ -147,7 +188,9 @@ def _upper_bound_arguments(q: argparse.ArgumentParser) -> None:
         help="upper bound: jackknife-normal (default) or percentile bootstrap (conservative "
         "near equal distributions)",
     )
-    q.add_argument("--bootstrap", type=int, default=1000, help="resamples for --method bootstrap")
+    q.add_argument(
+        "--bootstrap", type=count(1), default=1000, help="resamples for --method bootstrap"
+    )
 
 
 def _vector_arguments(q: argparse.ArgumentParser) -> None:

@@ -38,7 +38,7 @@ from ood_jax.data import counts, pipeline
 from ood_jax.detection import evaluation
 from ood_jax.metrics import coco
 from ood_jax.models import backbones, registry
-from ood_jax.train import checkpoint, optim, pretrain
+from ood_jax.train import checkpoint, config_checks, optim, pretrain
 
 
 @flax.struct.dataclass
@@ -193,6 +193,7 @@ class Experiment:
 
 def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> Experiment:
     """Mesh, data, model, optimizer and the state's layout; no parameters are created."""
+    config_checks.check_numbers(config)
     if config.get("distributed", False):
         jax.distributed.initialize()
     # tf.data must not grab accelerators meant for JAX.
@@ -275,6 +276,7 @@ def pretrain_stage(config: ml_collections.ConfigDict, workdir: str | pathlib.Pat
     """Backbone pretraining (`ood-jax pretrain`, and `train`'s first stage when configured):
     writes WORKDIR/backbone_pretrained.msgpack unless it is there already."""
     workdir = pathlib.Path(workdir)
+    config_checks.check_numbers(config)
     if not (config.get("pretrain") and config.pretrain.steps):
         raise ValueError("config.pretrain.steps: 0, so there is no pretraining stage to run")
     out = workdir / PRETRAINED_BACKBONE
@@ -330,6 +332,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     # ----------------------------------------------------------------------------------------
     latest = ckpt.latest_step()
     if latest is not None:
+        if latest > config.total_steps:
+            raise ValueError(
+                f"config.total_steps: {config.total_steps}, but {workdir} already holds step "
+                f"{latest}; raise total_steps to continue, or use a fresh --workdir"
+            )
         state, meta = ckpt.restore(latest, experiment.abstract_state)
         start_step = int(state.step)
         logging.info("Resumed from the checkpoint at step %d (workdir %s).", start_step, workdir)
