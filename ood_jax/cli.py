@@ -199,6 +199,61 @@ DETECTOR_COMMANDS = {
 }
 
 
+_DETECTOR_EXAMPLES = {
+    "pretrain": "ood-jax pretrain --config=configs/synthetic_detr.py --workdir=workdirs/run",
+    "train": "ood-jax train --config=configs/synthetic_detr.py:smoke --workdir=/tmp/smoke "
+    "--config.total_steps=20",
+    "evaluate": "ood-jax evaluate --config=configs/synthetic_detr.py --workdir=workdirs/run",
+}
+
+
+def _detector_help(command: str, argv: Sequence[str]) -> str:
+    """`ood-jax train --help`: the flags, an example, the configs at hand and, given --config,
+    that config's description (its variants) and its top-level fields with their values."""
+    lines = [
+        f"usage: ood-jax {command} --config=FILE[:variant] --workdir=DIR "
+        "[--config.FIELD=VALUE ...] [--debug]",
+        "",
+        DETECTOR_COMMANDS[command] + ".",
+        "",
+        "flags:",
+        "  --config=FILE[:variant]  the experiment: a config file's get_config(variant)",
+        "  --workdir=DIR            checkpoints, TensorBoard metrics and results; a workdir with",
+        "                           checkpoints is resumed",
+        "  --config.FIELD=VALUE     override a config field, e.g. --config.total_steps=100",
+        "  --debug                  show the traceback of an error",
+        "",
+        "example:",
+        f"  {_DETECTOR_EXAMPLES[command]}",
+    ]
+    configs = sorted(pathlib.Path("configs").glob("*.py"))
+    if configs:
+        lines += ["", "configs here:"]
+        lines += [f"  {path}: {_first_line(path)}" for path in configs]
+    specs = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    if specs:
+        path, _, variant = specs[-1].partition(":")
+        config = config_files.load(path, variant)
+        lines += ["", f"{specs[-1]}:", _docstring(pathlib.Path(path)), "", "top-level fields:"]
+        for key in sorted(config.keys()):
+            value = config[key]
+            if hasattr(value, "keys"):
+                lines.append(f"  {key}.{{{', '.join(sorted(value.keys()))}}}")
+            else:
+                lines.append(f"  {key} = {value!r}")
+    return "\n".join(lines)
+
+
+def _docstring(path: pathlib.Path) -> str:
+    import ast
+
+    return ast.get_docstring(ast.parse(path.read_text())) or ""
+
+
+def _first_line(path: pathlib.Path) -> str:
+    return (_docstring(path).splitlines() or [""])[0]
+
+
 def _check_config_flags(argv: Sequence[str]) -> None:
     """Fails with one line on a missing config file, an unknown variant or an unknown
     `--config.field` override, before absl reports them as tracebacks."""
@@ -230,6 +285,9 @@ def _train_or_evaluate(command: str, argv: Sequence[str]) -> None:
     from absl import flags
     from ml_collections import config_flags
 
+    if "--help" in argv or "-h" in argv:
+        print(_detector_help(command, argv))
+        return
     _check_config_flags(argv)
     flag_values = flags.FlagValues()
     # sys_argv: overrides (--config.x=v) are read from argv, not from the process's sys.argv.

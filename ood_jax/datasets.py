@@ -35,6 +35,9 @@ def _builder_cls(name: str):
 
 def _check_config(builder_cls, name: str, config: str | None) -> None:
     configs = [c.name for c in builder_cls.BUILDER_CONFIGS]
+    # With several configs and none the default, no choice would be the user's.
+    if config is None and len(configs) > 1 and "default" not in configs:
+        raise building.BuildError(f"{name}: choose a config with --config: {', '.join(configs)}")
     if config is not None and config not in configs:
         raise building.BuildError(
             f"{name}: unknown config {config!r}; its configs are {', '.join(configs)} (--config)"

@@ -1,6 +1,7 @@
 """The `ood-jax coco-eval` and `ood-jax demo` commands, run as a user would."""
 
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -60,3 +61,23 @@ def test_console_script_runs_demo():
         check=True,
     )
     assert "Average Precision  (AP) @[ IoU=0.50:0.95 | area=   all | maxDets=100 ]" in result.stdout
+
+
+@pytest.mark.parametrize("command", ["pretrain", "train", "evaluate"])
+def test_detector_commands_have_help(command, capsys, monkeypatch):
+    """`ood-jax train --help` lists the flags, an example, the configs, and the chosen config's
+    description (its variants) and top-level fields with their values."""
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(repo)
+    cli.main([command, "--help", "--config=configs/synthetic_detr.py:smoke"])
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: ood-jax {command} --config=FILE[:variant] --workdir=DIR")
+    for expected in (
+        "--config.FIELD=VALUE",
+        f"example:\n  ood-jax {command} --config=",
+        "configs/counts_dino_r50.py: DINO-4scale-R50 on COUNTS",
+        "Variants (`:arg`): (none) the demo run; `smoke`",
+        "  total_steps = 30\n",
+        "  optim.{",
+    ):
+        assert expected in out, expected

@@ -59,6 +59,13 @@ def test_unknown_builder_config_lists_the_configs(tmp_path):
     assert "unknown config 'nope'" in message and "tiny" in message and "demo" in message
 
 
+def test_a_builder_with_several_configs_needs_one(tmp_path):
+    message = error_line(
+        ["build", "foci", "--source", str(tmp_path), "--data-dir", str(tmp_path / "out")]
+    )
+    assert "foci: choose a config with --config" in message and "food101" in message
+
+
 def test_data_dir_under_a_file(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
