@@ -49,12 +49,16 @@ def count(low: int):
     return parse
 
 
-def positive(text: str) -> float:
-    """An argparse type: a finite number > 0."""
+def _number(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def positive(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    value = _number(text)
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
@@ -62,10 +66,7 @@ def positive(text: str) -> float:
 
 def probability(text: str) -> float:
     """An argparse type: a number strictly between 0 and 1."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    value = _number(text)
     if not 0 < value < 1:
         raise argparse.ArgumentTypeError(f"must lie strictly between 0 and 1, got {text}")
     return value
