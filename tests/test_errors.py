@@ -120,7 +120,7 @@ def test_evaluate_without_a_checkpoint(tmp_path, data_dir):
 
 def test_export_without_a_checkpoint(tmp_path):
     message = error_line(["export", f"--workdir={tmp_path}", f"--out={tmp_path / 'm.msgpack'}"])
-    assert "no checkpoints directory" in message or "no checkpoint" in message
+    assert f"{tmp_path / 'checkpoints'}: no checkpoints directory" in message
 
 
 def test_export_out_is_a_directory(tmp_path):
@@ -141,6 +141,20 @@ def test_out_of_range_numbers_are_named(tmp_path, data_dir, override, field):
     message = error_line(detector_argv("train", tmp_path / "run", data_dir, f"--config.{override}"))
     assert field in message
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_pretrain_with_backbone_weights_given(tmp_path, data_dir):
+    message = error_line(
+        detector_argv(
+            "pretrain",
+            tmp_path / "run",
+            data_dir,
+            "--config.pretrain.steps=2",
+            f"--config.model.backbone_weights={tmp_path / 'r18.pth'}",
+        )
+    )
+    assert "config.model.backbone_weights is set" in message
+    assert not (tmp_path / "run").exists()
 
 
 def test_debug_shows_the_traceback(tmp_path):

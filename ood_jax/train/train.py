@@ -279,6 +279,11 @@ def pretrain_stage(config: ml_collections.ConfigDict, workdir: str | pathlib.Pat
     config_checks.check_numbers(config)
     if not (config.get("pretrain") and config.pretrain.steps):
         raise ValueError("config.pretrain.steps: 0, so there is no pretraining stage to run")
+    if config.model.get("backbone_weights"):
+        raise ValueError(
+            f"config.model.backbone_weights is set ({config.model.backbone_weights}): train "
+            "starts from those weights, so a pretraining stage would go unused"
+        )
     out = workdir / PRETRAINED_BACKBONE
     if out.exists():
         print(f"Backbone pretraining: {out} exists, kept.")
