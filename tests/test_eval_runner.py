@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import pathlib
+import threading
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from test_clients import KEY, KEY_ENV, ChatServer, completion, image_parts, prom
 
 from ood_jax import cli, datasets
 from ood_jax import prompts
+from ood_jax.eval import cli as eval_cli
 from ood_jax.eval import clip_baseline, runner, tasks
 from ood_jax.eval.tasks.oodbench import bap_results, yes_no_results
 from ood_jax.eval.clients import OpenAIChatClient
@@ -582,12 +584,14 @@ def _png_bytes(path: pathlib.Path, seed: int, size=(64, 48)) -> bytes:
     return path.read_bytes()
 
 
-def write_oodg_items(directory: pathlib.Path, seed: int = 0) -> tuple[pathlib.Path, dict]:
+def write_oodg_items(
+    directory: pathlib.Path, seed: int = 0, count: int = 30
+) -> tuple[pathlib.Path, dict]:
     """items.jsonl of every task; returns the path and image digest -> item (for the server)."""
     rng = np.random.default_rng(seed)
     items, by_image = [], {}
     domains, sizes = ["dim", "water"], ["S", "M", "L"]
-    for k in range(30):
+    for k in range(count):
         task = ["grounding", "grounding", "localization", "mapping"][k % 4]
         setting, ice = ("zero_shot", 0) if k % 3 else ("iid", 1)
         images = [f"images/{k}_{j}.png" for j in range(ice + 1)]
@@ -815,3 +819,143 @@ def test_bad_arguments_are_clear(tmp_path, foci_data):
     with pytest.raises(SystemExit, match="--endpoint needs --model"):
         run_cli(["eval-mllm", "foci", "--data-dir", str(foci_data), "--endpoint", "http://x/v1",
                  "--output", str(tmp_path)])  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# --limit beside a finished run; Ctrl-C
+# ---------------------------------------------------------------------------------------------
+
+
+class ScriptedClient:
+    """A client without a server: one reply to everything, and Ctrl-C (KeyboardInterrupt) at its
+    `interrupt_at`-th call, as when a user presses it while that request is out."""
+
+    def __init__(self, interrupt_at: int | None = None):
+        self.interrupt_at, self.calls = interrupt_at, 0
+        self._lock = threading.Lock()
+
+    def identity(self):
+        return {"client": "scripted", "model": "m"}
+
+    def generate(self, request):
+        with self._lock:
+            self.calls += 1
+            call = self.calls
+        if call == self.interrupt_at:
+            raise KeyboardInterrupt
+        return "Answer Choice: [B]"
+
+
+def _scripted_argv(items: pathlib.Path, out: pathlib.Path, *extra: str) -> list[str]:
+    # --endpoint only satisfies the parser: _make_client is replaced by the scripted client.
+    return ["eval-mllm", "counts-oodg", "--items", str(items), "--endpoint",
+            "http://127.0.0.1:9/v1", "--model", "m", "--output", str(out), "--no-progress",
+            *extra]  # fmt: skip
+
+
+def _use_client(monkeypatch, client) -> None:
+    monkeypatch.setattr(eval_cli, "_make_client", lambda args, max_tokens: client)
+
+
+def test_limit_after_a_finished_run_writes_beside_it(tmp_path, monkeypatch, capsys):
+    items, _ = write_oodg_items(tmp_path / "mined", count=40)
+    out, client = tmp_path / "run", ScriptedClient()
+    _use_client(monkeypatch, client)
+    full = run_cli(_scripted_argv(items, out))
+    assert client.calls == 40 and full["num_items"] == 40 and full["complete"] is True
+    assert "limit" not in full
+    kept = [runner.RESULTS_JSON, runner.RESULTS_MD, runner.PREDICTIONS_FILE]
+    before = {name: (out / name).read_bytes() for name in kept}
+    capsys.readouterr()
+
+    subset = run_cli(_scripted_argv(items, out, "--limit", "5"))
+    printed = capsys.readouterr()
+    assert client.calls == 40  # all 5 were answered already
+    # The full run's results, and the replies of all 40 items, are untouched.
+    for name in kept:
+        assert (out / name).read_bytes() == before[name], name
+    assert len((out / runner.PREDICTIONS_FILE).read_text().splitlines()) == 40
+    # The subset's results lie beside them, say what they are, and score the first 5 items.
+    json_name, md_name = runner.results_files(5)
+    assert (json_name, md_name) == ("results.limit5.json", "results.limit5.md")
+    assert json.loads((out / json_name).read_text()) == subset
+    assert subset["num_items"] == 5 and subset["limit"] == 5 and subset["complete"] is True
+    first = [json.loads(line) for line in before[runner.PREDICTIONS_FILE].splitlines()[:5]]
+    scored = tasks.make_benchmark("counts-oodg", items=str(items)).results(first)
+    assert {k: subset[k] for k in scored} == json.loads(json.dumps(runner._json_safe(scored)))
+    markdown = (out / md_name).read_text()
+    assert markdown.startswith("Subset: the first 5 items only (--limit 5)")
+    assert printed.out.startswith(markdown)
+    assert f"{out / runner.RESULTS_JSON} (every item) is unchanged" in printed.err
+
+    # Limited first, then the full run: it continues from the stored replies.
+    fresh, client = tmp_path / "fresh", ScriptedClient()
+    _use_client(monkeypatch, client)
+    run_cli(_scripted_argv(items, fresh, "--limit", "5"))
+    assert client.calls == 5 and not (fresh / runner.RESULTS_JSON).exists()
+    assert f"a run without --limit writes {fresh / runner.RESULTS_JSON}" in capsys.readouterr().err
+    assert run_cli(_scripted_argv(items, fresh)) == full
+    assert client.calls == 40
+    assert (fresh / runner.PREDICTIONS_FILE).read_bytes() == before[runner.PREDICTIONS_FILE]
+    assert (fresh / runner.RESULTS_JSON).read_bytes() == before[runner.RESULTS_JSON]
+    assert json.loads((fresh / json_name).read_text()) == subset
+    # A limit that leaves no item out is the full run.
+    assert run_cli(_scripted_argv(items, fresh, "--limit", "40")) == full
+    assert not (fresh / "results.limit40.json").exists() and client.calls == 40
+
+
+def test_ctrl_c_says_what_was_kept_and_the_same_command_continues(tmp_path, monkeypatch, capsys):
+    items, _ = write_oodg_items(tmp_path / "mined")
+    out, client = tmp_path / "run", ScriptedClient(interrupt_at=4)
+    _use_client(monkeypatch, client)
+    argv = _scripted_argv(items, out, "--concurrency", "1")
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(argv)
+    assert stopped.value.code == cli.INTERRUPTED_EXIT_CODE == 130
+    predictions = out / runner.PREDICTIONS_FILE
+    assert capsys.readouterr().err.splitlines() == [
+        f"interrupted: 3 replies kept in {predictions}; rerun the same command to continue"
+    ]
+    assert len(predictions.read_text().splitlines()) == 3
+    assert not (out / runner.RESULTS_JSON).exists()
+
+    client.interrupt_at = None
+    cli.main(argv)
+    assert client.calls == 4 + 27  # the interrupted item and the 26 never asked
+    results = json.loads((out / runner.RESULTS_JSON).read_text())
+    assert results["num_items"] == 30 and results["complete"] is True
+
+
+def test_ctrl_c_with_requests_in_flight_counts_what_it_kept(tmp_path):
+    items, _ = write_oodg_items(tmp_path / "mined")
+    benchmark = tasks.make_benchmark("counts-oodg", items=str(items))
+    client = ScriptedClient(interrupt_at=10)
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        runner.run(benchmark, client, tmp_path, concurrency=3, progress=False)
+    kept = len((tmp_path / runner.PREDICTIONS_FILE).read_text().splitlines())
+    assert str(stopped.value) == (
+        f"{kept} replies kept in {tmp_path / runner.PREDICTIONS_FILE}; "
+        "rerun the same command to continue"
+    )
+    asked = client.calls
+    client.interrupt_at = None
+    assert runner.run(benchmark, client, tmp_path, concurrency=3, progress=False)["complete"]
+    assert client.calls - asked == 30 - kept
+
+
+def test_ctrl_c_in_a_batched_run(tmp_path):
+    items, _ = write_oodg_items(tmp_path / "mined")
+    benchmark = tasks.make_benchmark("counts-oodg", items=str(items))
+    batches = []
+
+    def answer(batch):
+        batches.append(len(batch))
+        if len(batches) == 3:
+            raise KeyboardInterrupt
+        return ["(A)"] * len(batch)
+
+    predictions = tmp_path / runner.PREDICTIONS_FILE
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        runner.run_batched(benchmark, {"client": "batch"}, answer, tmp_path, 4, progress=False)
+    assert str(stopped.value).startswith(f"8 replies kept in {predictions}; rerun")
+    assert len(predictions.read_text().splitlines()) == 8

@@ -13,6 +13,7 @@ import argparse
 import pathlib
 import sys
 
+from ood_jax import help_text
 from ood_jax.eval import clients, runner, tasks
 from ood_jax.stats import cli as stats_cli
 
@@ -30,11 +31,21 @@ def _add_eval_mllm(subparsers) -> None:
     p = subparsers.add_parser(
         "eval-mllm",
         help="evaluate an MLLM on foci, counts-oodg, oodbench or oodbench-bap (resumable)",
-        description=(
+        description=help_text.fill(
             "Asks a model every item of a benchmark and writes OUTPUT/predictions.jsonl (one line "
             "per item, appended as replies arrive), results.json and results.md. Rerunning into "
-            "the same OUTPUT sends only the items still without a reply."
+            "the same OUTPUT sends only the items still without a reply; Ctrl-C keeps the "
+            "replies received. --limit N writes results.limitN.json and results.limitN.md "
+            "beside the full results, never over them."
         ),
+        epilog=help_text.examples(
+            "ood-jax eval-mllm foci --data-dir data/tfds --config food101 \\\n"
+            "      --endpoint http://127.0.0.1:8000/v1 --model Qwen/Qwen2-VL-7B-Instruct "
+            "--output runs/foci_qwen",
+            "ood-jax eval-mllm counts-oodg --items items/items.jsonl --local models/llava "
+            "--output runs/oodg --limit 20",
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("benchmark", choices=tasks.BENCHMARKS)
     p.add_argument("--data-dir", help="TFDS data directory holding the built benchmark")
@@ -63,7 +74,11 @@ def _add_eval_mllm(subparsers) -> None:
         "--ice", type=int, help="counts-oodg: only items with this many in-context examples"
     )
     p.add_argument("--task", choices=tasks.OODG_TASKS, help="counts-oodg: only this task")
-    p.add_argument("--limit", type=int, help="only the first N items")
+    p.add_argument(
+        "--limit",
+        type=int,
+        help="only the first N items; their results go to OUTPUT/results.limitN.{json,md}",
+    )
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
     p.add_argument(
         "--max-tokens",
@@ -171,7 +186,20 @@ def run_eval_mllm(args: argparse.Namespace) -> dict:
             )
     except (runner.RunError, tasks.ItemsError, FileNotFoundError) as e:
         raise _fail(str(e)) from None
-    print((pathlib.Path(args.output) / runner.RESULTS_MD).read_text())
+    output = pathlib.Path(args.output)
+    json_name, md_name = runner.results_files(results.get("limit"))
+    print((output / md_name).read_text())
+    if "limit" in results:
+        full = output / runner.RESULTS_JSON
+        rest = (
+            f"{full} (every item) is unchanged"
+            if full.exists()
+            else f"a run without --limit writes {full}"
+        )
+        print(
+            f"results of the first {results['limit']} items -> {output / json_name}; {rest}",
+            file=sys.stderr,
+        )
     if not results["complete"]:
         print(
             "some requests failed; rerun the same command to retry them "
@@ -213,6 +241,7 @@ def add_stats_parsers(commands) -> None:
         "clip-conditional",
         "FOCI Fig. 4: LVLM accuracy where the CLIP baseline is right and where it is wrong",
         _stats_clip_conditional,
+        examples=["ood-jax stats clip-conditional --lvlm runs/foci_qwen --clip runs/foci_clip"],
     )
     q.add_argument("--lvlm", required=True, help="eval-mllm output directory of the LVLM")
     q.add_argument("--clip", required=True, help="eval-mllm --clip output directory")

@@ -3,14 +3,23 @@
 DIR/predictions.jsonl holds one JSON line per answered item: id, digest (SHA-256 of the prompt
 and images), reply, parsed answer, correct, error (null unless the request failed) and the item's
 meta. Lines are appended and flushed as replies arrive, so a killed run keeps every reply it
-received. A rerun into the same DIR:
+received; Ctrl-C ends with one line saying how many replies the file keeps. A rerun into the
+same DIR:
   * drops a torn last line (a kill in the middle of a write) and sends that item again;
   * sends only items without a reply: answered items are skipped, failed ones retried;
   * refuses to mix: an item whose digest changed, or a run with another benchmark, model or
     generation budget (DIR/run.json), is an error naming what differs.
-When every item has been handled the file is rewritten (atomically) with one line per item.
-results.json and results.md are written atomically at the end of every run, over the items of
-that run.
+When every item of the run has been handled the file is rewritten (atomically) with one line per
+item, the run's items first; records of items outside the run (beyond a --limit) are kept.
+
+Results are written atomically at the end of every run. A run over every item writes
+results.json and results.md. A run with `limit=N` that leaves items out writes
+results.limitN.json and results.limitN.md beside them, never over them: they hold "limit": N,
+"num_items" (at most N) and a markdown line saying they are a subset. (A limit that leaves no
+item out is a full run.) "complete" is true when every item of the run, i.e. the first N for a
+limited one, has a reply without a request error; it says nothing of items past the limit. A
+later run without a limit sends only what the limited runs left unanswered and writes
+results.json.
 
 The items and their scoring come from a Benchmark (ood_jax.eval.tasks.base; the tasks are in
 ood_jax.eval.tasks), the replies from a client of ood_jax.eval.clients.
@@ -34,6 +43,14 @@ PREDICTIONS_FILE = "predictions.jsonl"
 RUN_FILE = "run.json"
 RESULTS_JSON = "results.json"
 RESULTS_MD = "results.md"
+
+
+def results_files(limit: int | None = None) -> tuple[str, str]:
+    """(json, markdown) file names of a run's results: results.* for a run over every item,
+    results.limitN.* for one over the first N only (`limit`: the "limit" of its results)."""
+    if limit is None:
+        return RESULTS_JSON, RESULTS_MD
+    return f"results.limit{limit}.json", f"results.limit{limit}.md"
 
 
 class RunError(ValueError):
@@ -176,8 +193,6 @@ def _json_safe(value: Any) -> Any:
 
 
 def _limited(items: Iterable[Item], limit: int | None) -> Iterator[Item]:
-    if limit is not None and limit < 0:
-        raise ValueError(f"limit must be non-negative, got {limit}")
     for k, item in enumerate(items):
         if limit is not None and k >= limit:
             return
@@ -223,7 +238,11 @@ class _Session:
         limit: int | None,
         progress: bool,
     ):
+        if limit is not None and limit < 0:
+            raise ValueError(f"limit must be non-negative, got {limit}")
         self.benchmark, self.identity, self.limit = benchmark, identity, limit
+        # Set by `pending` when the limit left items out: the results are then a subset's.
+        self.subset = False
         self.directory = pathlib.Path(output)
         self.directory.mkdir(parents=True, exist_ok=True)
         _check_run_file(self.directory, identity)
@@ -240,7 +259,11 @@ class _Session:
     def pending(self) -> Iterator[Item]:
         """The run's items that still need a reply, in order; answered ones only tick the bar."""
         seen = set()
-        for item in _limited(self.benchmark.items(), self.limit):
+        for k, item in enumerate(self.benchmark.items()):
+            if self.limit is not None and k == self.limit:
+                # One item past the limit exists: this run covers a subset.
+                self.subset = True
+                return
             if item.id in seen:
                 raise RunError(f"{self.benchmark.name}: item id {item.id!r} occurs twice")
             seen.add(item.id)
@@ -263,16 +286,33 @@ class _Session:
         self.progress.close()
         self.store.compact(self.order)
         records = [self.store.records[i] for i in self.order]
+        limit = self.limit if self.subset else None
         results = {
             **self.identity,
             "num_items": len(records),
+            **({"limit": limit} if limit is not None else {}),
             "complete": all(r["error"] is None for r in records),
             **self.benchmark.results(records),
         }
         results = _json_safe(results)
-        files.write_atomic(self.directory / RESULTS_JSON, json.dumps(results, indent=2) + "\n")
-        files.write_atomic(self.directory / RESULTS_MD, self.benchmark.markdown(results))
+        markdown = self.benchmark.markdown(results)
+        if limit is not None:
+            markdown = (
+                f"Subset: the first {limit} items only (--limit {limit}); a run without "
+                f"--limit writes the results of every item to {RESULTS_JSON} and {RESULTS_MD}."
+                f"\n\n{markdown}"
+            )
+        json_name, md_name = results_files(limit)
+        files.write_atomic(self.directory / json_name, json.dumps(results, indent=2) + "\n")
+        files.write_atomic(self.directory / md_name, markdown)
         return results
+
+    def interrupted(self) -> KeyboardInterrupt:
+        """What Ctrl-C re-raises: the one line ood_jax.cli prints says what was kept."""
+        kept = sum(r["error"] is None for r in self.store.records.values())
+        return KeyboardInterrupt(
+            f"{kept} replies kept in {self.store.path}; rerun the same command to continue"
+        )
 
     def abort(self) -> None:
         self.progress.close()
@@ -289,9 +329,11 @@ def run(
 ) -> dict:
     """Asks `client` every item of `benchmark` not yet answered in `output`; returns the results.
 
-    Up to `concurrency` requests are in flight (1 for clients that say so). A request that fails
-    for good (`ClientError`) is recorded with its error and retried by the next run; any other
-    exception stops the run after recording the replies already received.
+    `limit`: only the first `limit` items (results beside the full ones, see the module
+    docstring). Up to `concurrency` requests are in flight (1 for clients that say so). A request
+    that fails for good (`ClientError`) is recorded with its error and retried by the next run;
+    any other exception stops the run after recording the replies already received, and a
+    KeyboardInterrupt is re-raised with a message saying how many replies were kept, and where.
     """
     concurrency = min(concurrency, getattr(client, "concurrency_limit", concurrency))
     if concurrency < 1:
@@ -309,14 +351,16 @@ def run(
     pool = concurrent.futures.ThreadPoolExecutor(concurrency, thread_name_prefix="eval-mllm")
     in_flight: dict[concurrent.futures.Future, Item] = {}
 
-    def settle(futures: Iterable[concurrent.futures.Future]) -> Exception | None:
+    def settle(futures: Iterable[concurrent.futures.Future]) -> BaseException | None:
         """Records every finished reply; returns the first crash of a client call, if any."""
         crash = None
         for future in futures:
             item = in_flight.pop(future)
             try:
                 reply, error = future.result()
-            except Exception as e:  # a reply that arrived alongside must still be kept
+            # A reply that arrived alongside must still be kept, whatever stopped another call
+            # (a KeyboardInterrupt or SystemExit raised in a worker thread lands here too).
+            except BaseException as e:
                 crash = crash or e
                 continue
             session.record(item, reply, error)
@@ -338,11 +382,13 @@ def run(
             # A bounded window keeps memory flat however many items there are.
             drain(2 * concurrency - 1)
         drain(0)
-    except BaseException:
+    except BaseException as e:
         # Keep the replies already received; requests not yet sent are dropped.
         pool.shutdown(wait=False, cancel_futures=True)
         settle([f for f in list(in_flight) if f.done() and not f.cancelled()])
         session.abort()
+        if isinstance(e, KeyboardInterrupt):
+            raise session.interrupted() from e
         raise
     pool.shutdown(wait=True)
     return session.finish()
@@ -378,7 +424,9 @@ def run_batched(
                 flush()
         if batch:
             flush()
-    except BaseException:
+    except BaseException as e:
         session.abort()
+        if isinstance(e, KeyboardInterrupt):
+            raise session.interrupted() from e
         raise
     return session.finish()

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ood_jax import files
+from ood_jax import files, help_text
 
 ScorerFactory = Callable[[str], Any]
 
@@ -32,6 +32,20 @@ def _load_scorer(factory: ScorerFactory | None, path: str):
 
 def _fail(error: Exception) -> SystemExit:
     return SystemExit(f"error: {error}")
+
+
+FOCI_EXAMPLE = (
+    "ood-jax mine foci --dataset food101 --source data/foci/food101 \\\n"
+    "      --scorer models/clip-vit-l14 --cache work/foci_cache"
+)
+OODBENCH_EXAMPLE = (
+    "ood-jax mine oodbench --source data/coco --scorer models/clip-vit-l14 \\\n"
+    "      --scorer models/siglip-so400m --out data/coco/splits.jsonl"
+)
+OODG_EXAMPLE = (
+    "ood-jax mine oodg --dataset counts --data-dir data/tfds --split test --domains sky \\\n"
+    "      --task grounding --setting covariate_shift --ice 3 --num-items 500 --out items/"
+)
 
 
 def run_foci(args: argparse.Namespace, scorer_factory: ScorerFactory | None = None) -> None:
@@ -154,13 +168,20 @@ def add_parsers(subparsers) -> None:
     from ood_jax import mining
     from ood_jax.mining import foci, oodbench, oodg
 
-    mine = subparsers.add_parser("mine", help="mine FOCI options, OODBench splits, OODG items")
+    mine = subparsers.add_parser(
+        "mine",
+        help="mine FOCI options, OODBench splits, OODG items",
+        description="Mining: the files the foci and oodbench builders and eval-mllm read.",
+        epilog=help_text.examples(FOCI_EXAMPLE, OODBENCH_EXAMPLE, OODG_EXAMPLE),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = mine.add_subparsers(dest="mine_command", required=True)
 
     p = sub.add_parser(
         "foci",
         help="FOCI options: the truth and the 3 wrong classes a CLIP scorer ranks highest",
         description=foci.__doc__,
+        epilog=help_text.examples(FOCI_EXAMPLE),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--dataset", required=True, help="FOCI config, e.g. food101 or foci/custom")
@@ -188,6 +209,7 @@ def add_parsers(subparsers) -> None:
         "oodbench",
         help="OODBench splits.jsonl: ID / OOD-S / OOD-H pairs by scorer probability < T",
         description=oodbench.__doc__,
+        epilog=help_text.examples(OODBENCH_EXAMPLE),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--source", required=True, help="COCO/LVIS directory the oodbench builder reads")
@@ -220,6 +242,7 @@ def add_parsers(subparsers) -> None:
         "oodg",
         help="COUNTS OODG items: drawn images and items.jsonl for the MLLM harness",
         description=oodg.__doc__,
+        epilog=help_text.examples(OODG_EXAMPLE),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--dataset", required=True, help="counts or synthetic_shifts/CONFIG (built)")

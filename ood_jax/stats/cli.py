@@ -2,9 +2,10 @@
 files.
 
 `add_parsers(subparsers)` adds `stats` to the `ood-jax` parser and returns its sub-command
-action; `add_command(commands, name, help, run)` adds one more check there (ood_jax.eval.cli adds
-FOCI's `clip-conditional`, which reads eval-mllm run directories). Each check's `run` takes the
-parsed arguments, prints text (or JSON with --json) and returns the numbers.
+action; `add_command(commands, name, help, run, examples=...)` adds one more check there
+(ood_jax.eval.cli adds FOCI's `clip-conditional`, which reads eval-mllm run directories). Each
+check's `run` takes the parsed arguments, prints text (or JSON with --json) and returns the
+numbers; its --help ends with the examples.
 """
 
 from __future__ import annotations
@@ -13,16 +14,26 @@ import argparse
 import json
 import math
 import pathlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from ood_jax import files, stats
+from ood_jax import files, help_text, stats
 
 
-def add_command(commands, name: str, help: str, run) -> argparse.ArgumentParser:
-    """One `ood-jax stats NAME` check with a --json flag; `run(args)` returns what it printed."""
-    q = commands.add_parser(name, help=help, description=help)
+def add_command(
+    commands, name: str, help: str, run, *, examples: Sequence[str]
+) -> argparse.ArgumentParser:
+    """One `ood-jax stats NAME` check with a --json flag; `run(args)` returns what it printed.
+    `examples`: whole command lines shown at the end of its --help."""
+    q = commands.add_parser(
+        name,
+        help=help,
+        description=help_text.fill(help),
+        epilog=help_text.examples(*examples),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     q.add_argument("--json", action="store_true", help="print the numbers as JSON")
     q.set_defaults(run=run)
     return q
@@ -76,16 +87,26 @@ def _fail(message: str) -> SystemExit:
     return SystemExit(f"error: {message}")
 
 
+CLOPPER_PEARSON_EXAMPLE = "ood-jax stats clopper-pearson 49 50"
+DROPS_EXAMPLE = (
+    "ood-jax stats drops --results runs/qwen/results.json runs/llava/results.json "
+    "--out drops_hard.json"
+)
+F_TEST_EXAMPLE = "ood-jax stats f-test --x drops_hard.json --y drops_ood.json"
+
+
 def add_parsers(subparsers):
     """Adds `ood-jax stats` to `subparsers`; returns the action its checks are added to."""
     p = subparsers.add_parser(
         "stats",
         help="OODBench's statistical checks from result and embedding files",
-        description=(
+        description=help_text.fill(
             "The checks behind OODBench's claim that its data is OOD: binomial bounds on the "
             "share of models that see it as OOD, MMD equivalence of train-OOD and val-OOD, and "
             "the Hard-vs-OOD variance, correlation and resampling tests on accuracy drops."
         ),
+        epilog=help_text.examples(CLOPPER_PEARSON_EXAMPLE, DROPS_EXAMPLE, F_TEST_EXAMPLE),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="stats_command", required=True)
 
@@ -95,6 +116,10 @@ def add_parsers(subparsers):
         "exact binomial interval and Beta-posterior lower bound for K of N (e.g. 49 of 50 "
         "models treat the data as OOD)",
         _stats_binomial,
+        examples=[
+            CLOPPER_PEARSON_EXAMPLE,
+            "ood-jax stats clopper-pearson 49 50 --confidence 0.99 --prior jeffreys --json",
+        ],
     )
     q.add_argument("k", type=int)
     q.add_argument("n", type=int)
@@ -102,7 +127,14 @@ def add_parsers(subparsers):
     q.add_argument("--prior", choices=("uniform", "jeffreys"), default="uniform")
 
     q = add_command(
-        sub, "mmd", "unbiased Gaussian-kernel MMD^2 between two point sets (.npy)", _stats_mmd
+        sub,
+        "mmd",
+        "unbiased Gaussian-kernel MMD^2 between two point sets (.npy)",
+        _stats_mmd,
+        examples=[
+            "ood-jax stats mmd --x features/train_ood.npy --y features/val_ood.npy "
+            "--permutations 2000"
+        ],
     )
     _points_arguments(q, "--x", "--y")
     q.add_argument(
@@ -116,6 +148,11 @@ def add_parsers(subparsers):
         "MMD equivalence of train-OOD and val-OOD: the upper confidence bound of MMD^2 below the "
         "95th percentile of within-train split MMD^2",
         _stats_equivalence,
+        examples=[
+            "ood-jax stats equivalence --train features/train_ood.npy --val features/val_ood.npy",
+            "ood-jax stats equivalence --train features/train_ood.npy --val features/val_ood.npy "
+            "\\\n      --method bootstrap --bootstrap 2000 --confidence 0.99",
+        ],
     )
     _points_arguments(q, "--train", "--val")
     q.add_argument(
@@ -130,6 +167,7 @@ def add_parsers(subparsers):
         "variance F-test of two drop vectors: F = var(x) / var(y) (paper: x = Hard, y = OOD, "
         "alternative greater)",
         _stats_f_test,
+        examples=[F_TEST_EXAMPLE],
     )
     _vector_arguments(q)
     q.add_argument("--alternative", choices=("greater", "less", "two-sided"), default="greater")
@@ -139,6 +177,7 @@ def add_parsers(subparsers):
         "correlation",
         "Pearson and Spearman correlation of two drop vectors",
         _stats_correlation,
+        examples=["ood-jax stats correlation --x drops_hard.json --y drops_ood.json"],
     )
     _vector_arguments(q)
 
@@ -147,6 +186,7 @@ def add_parsers(subparsers):
         "resampling",
         "empirical p-value of an observed statistic against resampled baseline values",
         _stats_resampling,
+        examples=["ood-jax stats resampling --observed 0.12 --samples resampled_drops.npy"],
     )
     q.add_argument("--observed", type=float, required=True)
     q.add_argument("--samples", required=True, help="baseline values (.npy or .json list)")
@@ -157,6 +197,11 @@ def add_parsers(subparsers):
         "drops",
         "per-model drops (reference split minus shifted split) from eval-mllm results.json files",
         _stats_drops,
+        examples=[
+            DROPS_EXAMPLE,
+            "ood-jax stats drops --results runs/qwen/results.json runs/llava/results.json "
+            "\\\n      --metric f1 --shifted ood_s --out drops_ood.json",
+        ],
     )
     q.add_argument("--results", nargs="+", required=True, help="one results.json per model")
     q.add_argument("--metric", default="accuracy", help="accuracy, precision, recall, f1, mcc, ...")
