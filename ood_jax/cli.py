@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import pathlib
-import sys
-import time
-from typing import Any, Sequence
 
-from ood_jax import config_files, files
-from ood_jax.eval import cli as eval_cli
-from ood_jax.mining import cli as mining_cli
-from ood_jax.stats import cli as stats_cli
+# TensorFlow (the data pipeline's) prints its oneDNN and CPU-feature notices at import, before
+# any flag could silence them; the environment is read then, so it is set before any import.
+# The oneDNN kernels only change TF's own float ops, which here decode images. A user's own
+# settings win.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from typing import Any, Sequence  # noqa: E402
+
+from ood_jax import config_files, files, help_text  # noqa: E402
+from ood_jax.eval import cli as eval_cli  # noqa: E402
+from ood_jax.mining import cli as mining_cli  # noqa: E402
+from ood_jax.stats import cli as stats_cli  # noqa: E402
 
 
 def _read_json(path: str, what: str) -> Any:
@@ -101,7 +109,6 @@ def _demo(args: argparse.Namespace) -> None:
 
 def _build(args: argparse.Namespace) -> None:
     from ood_jax import datasets
-    from ood_jax.data import building
 
     try:
         builder = datasets.build(
@@ -110,16 +117,31 @@ def _build(args: argparse.Namespace) -> None:
             source=args.source,
             config=args.config,
             on_error=args.on_error,
+            overwrite=args.overwrite,
         )
-    except building.BuildError as e:
-        raise SystemExit(f"error: {e}") from None
-    splits = {name: info.num_examples for name, info in builder.info.splits.items()}
-    print(
-        f"\n{builder.name} {builder.builder_config.name if builder.builder_config else ''}"
-        f" {builder.version} -> {builder.data_dir}"
-    )
-    report = getattr(builder, "report", None)
-    print(report.summary(splits) if report else "\n".join(f"  {k}: {v}" for k, v in splits.items()))
+    except BaseException as error:
+        # What a failed or interrupted build skipped is printed before its one error line.
+        report = getattr(error, "build_report", None)
+        if report:
+            print(f"build report until it stopped:\n{report}", file=sys.stderr)
+        raise
+    config = f"/{builder.builder_config.name}" if builder.builder_config else ""
+    record = builder.provenance
+    if builder.reused and record is None:
+        print(
+            f"{builder.name}{config}: already built by an older ood-jax, which kept no build "
+            "record; nothing to do (--overwrite rebuilds it)"
+        )
+    elif builder.reused:
+        print(
+            f"{builder.name}{config}: already built from {record.made_from} on "
+            f"{record.built_at}, nothing to do (--overwrite rebuilds it)"
+        )
+    print(f"\n{builder.name}{config} {builder.version} -> {builder.data_dir}")
+    if record is not None:
+        print(record.summary)
+    else:
+        print("\n".join(f"  {k}: {v.num_examples}" for k, v in builder.info.splits.items()))
 
 
 def _export(args: argparse.Namespace) -> None:
@@ -133,17 +155,73 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ood-jax",
         description=__doc__,
-        epilog=f"--debug (anywhere) or {DEBUG_ENV}=1 shows the traceback of an error.",
+        epilog=help_text.examples(
+            "ood-jax demo",
+            "ood-jax build synthetic_shifts --config tiny --data-dir data/tfds",
+            "ood-jax train --help",
+        )
+        + f"\n\n--debug (anywhere) or {DEBUG_ENV}=1 shows the traceback of an error.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("coco-eval", help="COCO bbox evaluation of a detections JSON file")
+    p = sub.add_parser(
+        "coco-eval",
+        help="COCO bbox evaluation of a detections JSON file",
+        epilog=help_text.examples(
+            "ood-jax coco-eval --gt instances_val.json --detections detections.json",
+            "ood-jax coco-eval --gt gt.json --detections detections.json --json numbers.json",
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--gt", required=True, help="COCO ground-truth JSON")
     p.add_argument("--detections", required=True, help="COCO results JSON (list of detections)")
     p.add_argument("--json", help="also write the numbers and per-category AP here")
     p.set_defaults(run=_coco_eval)
 
-    p = sub.add_parser("build", help="build a TFDS dataset from its release files")
+    class BuildHelp(argparse.Action):
+        """`build --help` lists each builder's configs, which come from ood_jax.datasets; it
+        imports TFDS, so they are read only when the help is asked for."""
+
+        def __call__(self, parser, namespace, values, option_string=None):
+            import textwrap
+
+            from ood_jax import datasets
+
+            listed = [
+                textwrap.fill(
+                    ", ".join(datasets.configs(n)) or "(no configs)",
+                    width=94,
+                    initial_indent=f"  {n:<18}",
+                    subsequent_indent=" " * 20,
+                )
+                for n in datasets.NAMES
+            ]
+            configs = "builders and their configs (--config):\n" + "\n".join(listed)
+            parser.epilog = f"{configs}\n\n{parser.epilog}"
+            parser.print_help()
+            parser.exit()
+
+    p = sub.add_parser(
+        "build",
+        help="build a TFDS dataset from its release files",
+        description=(
+            "Builds a dataset into DATA_DIR/NAME[/CONFIG]/VERSION and records its source there\n"
+            "(ood_jax_build.json). A rebuild from the same source does nothing; one from another\n"
+            "source, or from changed annotation files, is refused unless --overwrite."
+        ),
+        epilog=help_text.examples(
+            "ood-jax build synthetic_shifts --config tiny --data-dir data/tfds",
+            "ood-jax build counts --source COUNTS_DIR --data-dir data/tfds",
+            "ood-jax build foci --config food101 --source FOOD101_DIR --data-dir data/tfds "
+            "--on-error skip",
+            "ood-jax build oodbench --config bap --source OODBENCH_DIR --data-dir data/tfds "
+            "--overwrite",
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=False,
+    )
+    p.add_argument("-h", "--help", action=BuildHelp, nargs=0, help="show this help and exit")
     p.add_argument("name", help="counts, foci, oodbench or synthetic_shifts")
     p.add_argument(
         "--source", help="directory holding the release (not needed for synthetic_shifts)"
@@ -158,6 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="fail",
         help="a corrupt or missing image fails the build (default) or is skipped and counted",
     )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="rebuild a dataset that is already there (e.g. from another source); the old one "
+        "stays readable until the new one is complete",
+    )
     p.set_defaults(run=_build)
 
     for command, what in DETECTOR_COMMANDS.items():
@@ -166,19 +250,40 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"{what}: --config=configs/X.py[:arg] --workdir=DIR [--config.f=v]",
         )
 
-    p = sub.add_parser("export", help="a self-contained inference checkpoint of a training run")
+    p = sub.add_parser(
+        "export",
+        help="a self-contained inference checkpoint of a training run",
+        epilog=help_text.examples(
+            "ood-jax export --workdir workdirs/synthetic_detr --out exported/detr",
+            "ood-jax export --workdir workdirs/run --out exported/run_step20 --step 20",
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--workdir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     p.set_defaults(run=_export)
 
-    p = sub.add_parser("demo", help="build synthetic data, train DETR, evaluate, export")
+    p = sub.add_parser(
+        "demo",
+        help="build synthetic data, train DETR, evaluate, export",
+        epilog=help_text.examples(
+            "ood-jax demo",
+            "ood-jax demo --config configs/synthetic_dino.py --workdir workdirs/synthetic_dino",
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--config", default="configs/synthetic_detr.py")
     p.add_argument("--data-dir", default="data/tfds")
     p.add_argument("--workdir", default="workdirs/synthetic_detr")
     p.set_defaults(run=_demo)
 
-    p = sub.add_parser("coco-demo", help="the COCO evaluator on a generated case")
+    p = sub.add_parser(
+        "coco-demo",
+        help="the COCO evaluator on a generated case",
+        epilog=help_text.examples("ood-jax coco-demo --images 2000 --categories 80"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--images", type=int, default=500)
     p.add_argument("--categories", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
@@ -336,6 +441,17 @@ def _error_line(error: BaseException) -> str:
     return f"error: {message} (--debug shows the traceback)"
 
 
+# Ctrl-C: a long job that knows what it kept re-raises `KeyboardInterrupt("what was kept; how to
+# continue")` from its own handler; the message becomes the one line printed. Exit code 130 is
+# the shell's for SIGINT.
+INTERRUPTED_EXIT_CODE = 130
+
+
+def _interrupted_line(interrupt: KeyboardInterrupt) -> str:
+    message = " ".join(str(interrupt).split()) or "stopped by Ctrl-C"
+    return f"interrupted: {message}"
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
@@ -350,6 +466,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         if debug:
             raise
         raise SystemExit(_error_line(e)) from None
+    except KeyboardInterrupt as e:
+        if debug:
+            raise
+        print(_interrupted_line(e), file=sys.stderr)
+        raise SystemExit(INTERRUPTED_EXIT_CODE) from None
 
 
 if __name__ == "__main__":

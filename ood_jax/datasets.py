@@ -7,21 +7,53 @@ the builders in turn import only `ood_jax.data`, so there is no import circle. E
     builder = datasets.build("counts", data_dir, source=SRC)      # -> prepared builder + .report
     builder = datasets.load("synthetic_shifts/tiny", data_dir)    # prepared, or an error saying how
     names = datasets.class_names("counts", data_dir)              # detection label names
+    datasets.configs("foci")                                      # ("food101", "flowers102", ...)
+
+A build never reuses data it cannot vouch for. It writes into a staging directory beside the
+dataset (`DATA_DIR/NAME[/CONFIG]/incomplete.ood-jax-*`), stores its `BuildRecord` (source,
+digests, summary) in the finished dataset and only then moves it into place, so a reader sees
+the old dataset or the whole new one. A rebuild from the same source does nothing and returns
+the record; one from another source (or changed annotation files) is refused unless
+`overwrite`, which swaps the new dataset in and then deletes the old one. Partial builds left by
+a killed run are removed at the next build of the same dataset, saying so.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import functools
 import os
 import pathlib
+import shutil
+import sys
+import uuid
+from typing import Iterator
 
 import tensorflow_datasets as tfds
+from tensorflow_datasets.core import constants as tfds_constants
+from tensorflow_datasets.core.utils import tqdm_utils
 
 import tfds_builders
+from ood_jax import files
 from ood_jax.data import building
 
 NAMES = tfds_builders.NAMES
 # Procedurally rendered: built on first use when a config asks for it (`build_if_missing`).
 SYNTHETIC = ("synthetic_shifts",)
+
+# TFDS names its own partial builds `incomplete.XXXXXX_VERSION`; ours share the prefix, so one
+# sweep finds both. A dataset moved aside by --overwrite is `replaced.XXXX_VERSION` until the
+# new one is in place.
+_PARTIAL = tfds_constants.INCOMPLETE_PREFIX
+_STAGING = f"{_PARTIAL}ood-jax-"
+_REPLACED = "replaced."
+# Held (flock) by a running build in its staging directory, so a second build leaves it alone.
+_LOCK = "ood_jax_build.lock"
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _builder_cls(name: str):
@@ -31,6 +63,11 @@ def _builder_cls(name: str):
         raise building.BuildError(
             f"unknown dataset {name!r}; ours are {', '.join(NAMES)}"
         ) from None
+
+
+def configs(name: str) -> tuple[str, ...]:
+    """The config names of dataset `name` (empty for a builder without configs)."""
+    return tuple(c.name for c in _builder_cls(name).BUILDER_CONFIGS)
 
 
 def _check_config(builder_cls, name: str, config: str | None) -> None:
@@ -56,28 +93,259 @@ def _check_writable(data_dir: str) -> None:
         raise building.BuildError(f"--data-dir {data_dir}: not writable; pick a writable directory")
 
 
+def _make_builder(builder_cls, data_dir: str, config: str | None, on_error: str):
+    kwargs = {"data_dir": data_dir, "config": config}
+    if issubclass(builder_cls, building.SourceBuilder):
+        kwargs["on_error"] = on_error
+    return builder_cls(**kwargs)
+
+
 def build(
     name: str,
     data_dir: str,
     source: str | None = None,
     config: str | None = None,
     on_error: str = "fail",
+    overwrite: bool = False,
 ) -> tfds.core.DatasetBuilder:
     """Builds dataset `name` (config `config`) from `source` into `data_dir`.
 
-    Returns the prepared builder; sources read by our builders carry `.report` (what was
-    skipped, dropped or clipped).
+    Returns the prepared builder with `.provenance` (its `BuildRecord`), `.reused` (True when
+    the dataset was already built from this source and nothing was done) and `.report` (what
+    this build skipped, dropped or clipped; None when reused). Raises `BuildError` when
+    `data_dir` holds this dataset built from another source, unless `overwrite`.
     """
     builder_cls = _builder_cls(name)
     _check_config(builder_cls, name, config)
     _check_writable(data_dir)
-    kwargs = {"data_dir": data_dir, "config": config}
-    if issubclass(builder_cls, building.SourceBuilder):
-        kwargs["on_error"] = on_error
-    builder = builder_cls(**kwargs)
+    make = functools.partial(_make_builder, builder_cls, config=config, on_error=on_error)
+    data_root = os.path.expanduser(data_dir)
+    builder = make(data_root)
+    dataset_dir = pathlib.Path(builder.data_dir)
+    _clean_partial_builds(dataset_dir.parent)
+    # is_prepared() logs a warning for a directory that is not there, which is the usual case.
+    exists = dataset_dir.exists()
+    prepared = exists and builder.is_prepared()
+    if prepared and not overwrite:
+        return _reuse(builder, source)
+    origin = builder.origin(source)
+    if exists and not prepared:
+        _say(f"replacing {dataset_dir}, which holds no readable dataset")
     download_config = tfds.download.DownloadConfig(manual_dir=source) if source else None
-    builder.download_and_prepare(download_config=download_config)
+    record, report = _build_staged(make, data_root, dataset_dir, origin, on_error, download_config)
+    built = make(data_root)
+    built.provenance, built.reused, built.report = record, False, report
+    return built
+
+
+# ---------------------------------------------------------------------------------------------
+# A dataset that is already there.
+# ---------------------------------------------------------------------------------------------
+
+
+def _reuse(builder, source: str | None) -> tfds.core.DatasetBuilder:
+    """The prepared `builder` if it was built from `source`; a BuildError naming both if not."""
+    dataset_dir = pathlib.Path(builder.data_dir)
+    record = building.BuildRecord.read(dataset_dir)
+    if record is None:
+        return _reuse_unrecorded(builder, dataset_dir)
+    # The directory first: another one is refused without reading (or hashing) anything in it.
+    if record.source != builder.source_path(source):
+        why = f"--source {source} is another directory"
+    else:
+        why = builder.origin(source).difference(record)
+    if why is not None:
+        raise building.BuildError(
+            f"{_full_name(builder)}: {dataset_dir} was built from {record.made_from} on "
+            f"{record.built_at}; {why}. Pass --overwrite to replace it, or choose another "
+            "--data-dir"
+        )
+    builder.provenance, builder.reused, builder.report = record, True, None
     return builder
+
+
+def _reuse_unrecorded(builder, dataset_dir: pathlib.Path) -> tfds.core.DatasetBuilder:
+    # A synthetic dataset is a function of its config, so one an older ood-jax rendered is
+    # still what the config asks for; a source build's origin cannot be known.
+    if not isinstance(builder, building.SourceBuilder):
+        builder.provenance, builder.reused, builder.report = None, True, None
+        return builder
+    raise building.BuildError(
+        f"{_full_name(builder)}: {dataset_dir} was built by an older ood-jax, which kept no "
+        f"record ({building.RECORD_FILE}) of its source, so it cannot be matched with --source;"
+        " pass --overwrite to rebuild it (it still loads as it is)"
+    )
+
+
+def _full_name(builder) -> str:
+    config = f"/{builder.builder_config.name}" if builder.builder_config else ""
+    return f"{builder.name}{config}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Building beside the dataset, then moving it into place.
+# ---------------------------------------------------------------------------------------------
+
+
+def _build_staged(
+    make,
+    data_root: str,
+    dataset_dir: pathlib.Path,
+    origin: building.Origin,
+    on_error: str,
+    download_config,
+) -> tuple[building.BuildRecord, building.BuildReport]:
+    """Builds into a staging directory, records the build, moves it to `dataset_dir`."""
+    existed, placed = dataset_dir.exists(), False
+    try:
+        with _staging(dataset_dir.parent) as staging:
+            staged = make(str(staging))
+            _prepare(staged, download_config)
+            splits = {k: v.num_examples for k, v in staged.info.splits.items()}
+            summary = staged.report.summary(splits)
+            record = building.BuildRecord.create(staged, origin, on_error, summary)
+            record.write(pathlib.Path(staged.data_dir))
+            _copy_default_config(staging, pathlib.Path(data_root), staged.name)
+            _move_into_place(pathlib.Path(staged.data_dir), dataset_dir)
+            placed = True
+    except KeyboardInterrupt as interrupt:
+        if placed:
+            said = (
+                f"the build is complete in {dataset_dir}; a replaced dataset left beside it is "
+                "removed at the next build"
+            )
+        else:
+            kept = "still holds the previous dataset" if existed else "was not written"
+            said = (
+                f"nothing kept: the partial build was removed and {dataset_dir} {kept}; rerun "
+                "the same command to build it"
+            )
+        # The message is the one line `cli.main` prints; the report (if any) rides along.
+        stopped = KeyboardInterrupt(said)
+        stopped.build_report = getattr(interrupt, "build_report", None)
+        raise stopped from None
+    return record, staged.report
+
+
+def _prepare(builder, download_config) -> None:
+    """TFDS's download_and_prepare with our one progress bar; errors carry the build report."""
+    builder.show_progress = True
+    try:
+        with _without_tfds_bars():
+            builder.download_and_prepare(download_config=download_config)
+    except BaseException as error:
+        # What was skipped before the failure is printed with the error (`cli._build`).
+        if not builder.report.is_empty():
+            error.build_report = builder.report.summary()
+        raise
+    finally:
+        builder.close_progress()
+
+
+@contextlib.contextmanager
+def _without_tfds_bars() -> Iterator[None]:
+    # TFDS draws a bar per split for generating and another for shuffling (57 for
+    # synthetic_shifts/tiny); our builders draw one for the whole build instead.
+    was_active = getattr(tqdm_utils, "_active", True)
+    tfds.display_progress_bar(False)
+    try:
+        yield
+    finally:
+        tfds.display_progress_bar(was_active)
+
+
+@contextlib.contextmanager
+def _staging(parent: pathlib.Path) -> Iterator[pathlib.Path]:
+    """A fresh staging data dir under `parent`, locked while in use and removed afterwards."""
+    path = parent / f"{_STAGING}{uuid.uuid4().hex[:12]}"
+    path.mkdir(parents=True)
+    try:
+        with open(path / _LOCK, "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield path
+    finally:
+        _remove_staging(path)
+
+
+def _remove_staging(path: pathlib.Path) -> None:
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        # Raising here would hide the build's own outcome; the next build sweeps it instead.
+        _say(f"could not remove the staging directory {path} ({e}); the next build removes it")
+
+
+def _copy_default_config(staging: pathlib.Path, data_root: pathlib.Path, name: str) -> None:
+    # TFDS keeps a builder's default config in NAME/.config/, which lets a reader without our
+    # code open "NAME" without naming a config; it was written inside the staging data dir.
+    written = staging / name / ".config" / tfds_constants.METADATA_FILENAME
+    if written.exists():
+        files.write_atomic(data_root / name / ".config" / written.name, written.read_bytes())
+
+
+def _move_into_place(new: pathlib.Path, dataset_dir: pathlib.Path) -> None:
+    """Renames `new` to `dataset_dir`; an existing dataset is moved aside first, then deleted.
+
+    Between the two renames no dataset is there; a run killed then leaves the old one as
+    `replaced.*`, which the next build restores (`_clean_partial_builds`).
+    """
+    if not dataset_dir.exists():
+        try:
+            os.rename(new, dataset_dir)
+        except OSError:
+            if not dataset_dir.exists():
+                raise
+            raise building.BuildError(
+                f"{dataset_dir} was written by another build while this one ran; rerun the "
+                "command to compare it with this source"
+            ) from None
+        return
+    aside = dataset_dir.with_name(f"{_REPLACED}{uuid.uuid4().hex[:12]}_{dataset_dir.name}")
+    os.rename(dataset_dir, aside)
+    os.rename(new, dataset_dir)
+    shutil.rmtree(aside)
+
+
+def _clean_partial_builds(parent: pathlib.Path) -> None:
+    """Removes the partial builds a killed run left in `parent` (DATA_DIR/NAME[/CONFIG])."""
+    for path in sorted(parent.glob(f"{_PARTIAL}*")):
+        if _in_use(path):
+            _say(f"left {path} alone: another build is writing it")
+            continue
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+        _say(f"removed a partial build left by an interrupted run: {path}")
+    for aside in sorted(parent.glob(f"{_REPLACED}*")):
+        original = aside.with_name(aside.name.split("_", 1)[-1])
+        if original.exists():
+            shutil.rmtree(aside)
+            _say(f"removed a dataset replaced by an interrupted --overwrite: {aside}")
+        else:
+            os.rename(aside, original)
+            _say(f"restored {original}, which an interrupted --overwrite had moved aside")
+
+
+def _in_use(path: pathlib.Path) -> bool:
+    """Whether a running build holds the lock in staging directory `path`."""
+    lock_path = path / _LOCK
+    if not lock_path.is_file():
+        return False
+    with open(lock_path) as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading.
+# ---------------------------------------------------------------------------------------------
 
 
 def load(name: str, data_dir: str, build_if_missing: bool = False) -> tfds.core.DatasetBuilder:

@@ -1,6 +1,7 @@
 """The `ood-jax coco-eval` and `ood-jax demo` commands, run as a user would."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -81,3 +82,40 @@ def test_detector_commands_have_help(command, capsys, monkeypatch):
         "  optim.{",
     ):
         assert expected in out, expected
+
+
+def test_tensorflow_startup_notices_are_silenced():
+    """TF prints oneDNN and CPU-feature notices at import; a command that loads TF (here the
+    dataset registry, before its unknown-name error) prints only its own line."""
+    result = subprocess.run(
+        [sys.executable, "-m", "ood_jax.cli", "build", "nope", "--data-dir", "/tmp/unused"],
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith("TF_")},
+    )
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        "error: unknown dataset 'nope'; ours are counts, foci, oodbench, synthetic_shifts "
+        "(--debug shows the traceback)"
+    ], result.stderr
+
+
+@pytest.mark.parametrize(
+    "interrupt, line",
+    [
+        (KeyboardInterrupt(), "interrupted: stopped by Ctrl-C"),
+        (
+            KeyboardInterrupt("3 replies kept; rerun to continue"),
+            "interrupted: 3 replies kept; rerun to continue",
+        ),
+    ],
+)
+def test_ctrl_c_ends_with_one_line(interrupt, line, monkeypatch, capsys):
+    def interrupted(**kwargs):
+        raise interrupt
+
+    monkeypatch.setattr(coco_cases, "random_case", interrupted)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["coco-demo", "--images", "3"])
+    assert exit_info.value.code == cli.INTERRUPTED_EXIT_CODE
+    assert capsys.readouterr().err.splitlines() == [line]

@@ -318,13 +318,24 @@ def test_bad_source_names_the_place(coco_source, tmp_path, edit, message):
     assert not (tmp_path / "data" / "oodbench" / "default" / "1.0.0").exists()
 
 
-def test_split_without_questions_is_left_out(coco_source, tmp_path):
+def test_split_without_questions_fails_naming_it(coco_source, tmp_path):
+    # Image 6 has no annotated category, so BAP asks nothing about it: OOD-H gets no question.
+    _write_splits(coco_source, [(1, "cat", "ID"), (2, "dog", "OOD-S"), (6, "dog", "OOD-H")])
+    message = r"split ood_h would be empty: none of its 1 instances in .*splits.jsonl gives"
+    with pytest.raises(building.BuildError, match=message):
+        _build(coco_source, tmp_path / "data", config="bap")
     _write_splits(coco_source, [(1, "cat", "ID"), (6, "dog", "OOD-H")])
-    builder = _build(coco_source, tmp_path / "data", config="bap")
-    assert set(builder.info.splits) == {"id"}
-    assert builder.report.notes["split ood_s left out: no questions"] == 1
-    assert builder.report.notes["split ood_h left out: no questions"] == 1
-    assert builder.report.notes[oodbench.FEW_CATEGORIES] == 1
+    with pytest.raises(building.BuildError, match=r"split ood_s would be empty: .* no line with"):
+        _build(coco_source, tmp_path / "data", config="bap")
+    assert not (tmp_path / "data" / "oodbench" / "bap" / "1.0.0").exists()
+
+
+def test_split_whose_every_image_is_skipped_fails(coco_source, tmp_path):
+    (coco_source / "images" / "000004.jpg").unlink()
+    (coco_source / "images" / "000005.jpg").unlink()
+    _write_splits(coco_source, [(1, "cat", "ID"), (2, "cat", "OOD-S"), (4, "dog", "OOD-H")])
+    with pytest.raises(building.BuildError, match=r"split ood_h: every image was skipped \(1\)"):
+        _build(coco_source, tmp_path / "data", on_error="skip")
 
 
 def test_corrupt_image_fails_or_is_skipped(coco_source, tmp_path):

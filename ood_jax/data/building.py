@@ -7,23 +7,40 @@ non-positive size are dropped, boxes past the image edge clipped, and both count
 
 TFDS writes a dataset into a temporary `.incomplete` directory and renames it only when every
 split is written, so a failed build never leaves something a reader could take for a dataset.
+A builder fails, naming the file or split, rather than write an empty split or nothing at all:
+TFDS cannot write an empty split, and a dataset missing one would look finished. Where it can,
+it checks before anything is written (in `_split_generators`); a split whose every image is
+skipped can only be found while it is written (`no_examples`).
+
+A build records where it came from (`BuildRecord`, `RECORD_FILE` in the dataset's directory):
+the source directory and a SHA-256 of each file the builder reads other than images (each
+builder's `source_files` names them), or the generator settings of a synthetic builder, so a
+rebuild can tell the same source from another one.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import datetime
+import hashlib
 import io
 import json
 import pathlib
-from typing import Any, Iterable
+import sys
+from typing import Any, Iterable, Iterator, TypeVar
 
 import numpy as np
 from PIL import Image
 
+from ood_jax import __version__, files
 from ood_jax import boxes as box_lib
 
 ON_ERROR_CHOICES = ("fail", "skip")
+# Written into the versioned dataset directory, next to TFDS's dataset_info.json.
+RECORD_FILE = "ood_jax_build.json"
+
+T = TypeVar("T")
 
 
 class BuildError(ValueError):
@@ -54,6 +71,15 @@ class BuildReport:
         lines.append(f"boxes clipped to the image: {self.clipped_boxes}")
         lines += [f"{note}: {n}" for note, n in sorted(self.notes.items())]
         return "\n".join(lines)
+
+    def is_empty(self) -> bool:
+        """Whether nothing was skipped, dropped, clipped or noted."""
+        return not (
+            self.skipped_images
+            or sum(self.dropped_boxes.values())
+            or self.clipped_boxes
+            or sum(self.notes.values())
+        )
 
 
 def check_on_error(on_error: str) -> str:
@@ -161,24 +187,224 @@ def clean_boxes(
     return box_lib.xyxy_to_yxyx(normalized).astype(np.float32).reshape(-1, 4), kept
 
 
-class SourceBuilder:
+def no_examples(split: str, images: int) -> BuildError:
+    """The error of a split whose every image was skipped while it was written."""
+    return BuildError(
+        f"split {split}: every image was skipped ({images}), so it has no examples; "
+        "the build report lists them"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Build records: where a dataset came from.
+# ---------------------------------------------------------------------------------------------
+
+
+def file_digest(path: pathlib.Path) -> str:
+    """SHA-256 of a file's bytes, read in chunks (LVIS annotations are about 1 GB)."""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    except FileNotFoundError:
+        raise BuildError(f"{path}: file not found") from None
+    return digest.hexdigest()
+
+
+def combined_digest(digests: dict[str, str]) -> str:
+    """One SHA-256 over (relative path, file digest) pairs in sorted path order."""
+    digest = hashlib.sha256()
+    for name in sorted(digests):
+        digest.update(f"{name}\0{digests[name]}\n".encode())
+    return digest.hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """What a build is made from: a source directory and its files' digests, or settings."""
+
+    source: str | None
+    files: dict[str, str]
+    settings: dict[str, Any] | None
+    digest: str
+
+    @classmethod
+    def of_source(cls, src: pathlib.Path, paths: Iterable[pathlib.Path]) -> "Origin":
+        files = {path.relative_to(src).as_posix(): file_digest(path) for path in paths}
+        return cls(str(src), files, None, combined_digest(files))
+
+    @classmethod
+    def of_settings(cls, settings: dict[str, Any]) -> "Origin":
+        # A JSON round trip, so tuples compare equal to the lists a stored record holds.
+        settings = json.loads(json.dumps(settings, sort_keys=True))
+        return cls(None, {}, settings, combined_digest({"settings": json.dumps(settings)}))
+
+    def difference(self, recorded: "BuildRecord") -> str | None:
+        """Why `recorded` was not built from this origin, or None if it was."""
+        if recorded.source != self.source:
+            return f"--source {self.source} is another directory"
+        if recorded.settings != self.settings:
+            return f"its generator settings {recorded.settings} are now {self.settings}"
+        if recorded.digest == self.digest:
+            return None
+        changed = sorted(set(recorded.files) ^ set(self.files)) + sorted(
+            name
+            for name in set(recorded.files) & set(self.files)
+            if recorded.files[name] != self.files[name]
+        )
+        return f"its {', '.join(changed)} changed since"
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildRecord:
+    """The provenance of one built dataset, stored as RECORD_FILE in its directory."""
+
+    builder: str
+    config: str | None
+    version: str
+    source: str | None
+    files: dict[str, str]
+    settings: dict[str, Any] | None
+    digest: str
+    on_error: str
+    ood_jax_version: str
+    built_at: str
+    examples_per_split: dict[str, int]
+    summary: str
+
+    @classmethod
+    def create(cls, builder, origin: Origin, on_error: str, summary: str) -> "BuildRecord":
+        config = builder.builder_config.name if builder.builder_config else None
+        return cls(
+            builder=builder.name,
+            config=config,
+            version=str(builder.version),
+            source=origin.source,
+            files=origin.files,
+            settings=origin.settings,
+            digest=origin.digest,
+            on_error=on_error,
+            ood_jax_version=__version__,
+            built_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            examples_per_split={k: v.num_examples for k, v in builder.info.splits.items()},
+            summary=summary,
+        )
+
+    @classmethod
+    def read(cls, dataset_dir: pathlib.Path) -> "BuildRecord | None":
+        """The record in `dataset_dir`, or None for a dataset built without one."""
+        path = pathlib.Path(dataset_dir) / RECORD_FILE
+        if not path.exists():
+            return None
+        data = load_json(path)
+        fields = [f.name for f in dataclasses.fields(cls)]
+        require(data, fields, str(path))
+        return cls(**{name: data[name] for name in fields})
+
+    def write(self, dataset_dir: pathlib.Path) -> pathlib.Path:
+        return files.write_json_atomic(
+            pathlib.Path(dataset_dir) / RECORD_FILE, dataclasses.asdict(self)
+        )
+
+    @property
+    def made_from(self) -> str:
+        return self.source if self.source is not None else f"generator settings {self.settings}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Builder mixins
+# ---------------------------------------------------------------------------------------------
+
+
+class ReportingBuilder:
+    """Mixed into each of our `tfds.core.GeneratorBasedBuilder`s: a `BuildReport`, and one
+    progress bar over the whole build (`ood_jax.datasets.build` turns it on and TFDS's own
+    per-split bars off). (A mixin, not a builder subclass, so TFDS registers no extra dataset.)
+    """
+
+    def __init__(self, **kwargs):
+        self.report = BuildReport()
+        self.show_progress = False
+        self._progress = None
+        super().__init__(**kwargs)
+
+    def source_path(self, source: str | None) -> str | None:
+        """The source directory a record of this build names; None for a builder reading none."""
+        del source
+        return None
+
+    def origin(self, source: str | None) -> Origin:
+        """What this build is made from; compared with a dataset's record on a rebuild."""
+        raise NotImplementedError(f"{type(self).__name__} must say what it is built from")
+
+    def start_progress(self, total: int, unit: str) -> None:
+        """Opens the build's one bar, over the `total` source items that every split reads."""
+        if not self.show_progress:
+            return
+        from tqdm import tqdm
+
+        config = f"/{self.builder_config.name}" if self.builder_config else ""
+        self._progress = tqdm(
+            total=total, desc=f"{self.name}{config}", unit=f" {unit}", file=sys.stderr
+        )
+
+    def track(self, items: Iterable[T]) -> Iterator[T]:
+        """Iterates over one split's source items, advancing the build's bar past each."""
+        for item in items:
+            yield item
+            if self._progress is not None:
+                self._progress.update(1)
+
+    def close_progress(self) -> None:
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
+
+    # TFDS prints where it writes before and after a build; ood_jax.datasets builds in a
+    # staging directory and moves the result, so those lines would name the wrong place.
+    def _log_download_bytes(self) -> None:
+        pass
+
+    def _log_download_done(self) -> None:
+        pass
+
+
+class SourceBuilder(ReportingBuilder):
     """Mixed into a `tfds.core.GeneratorBasedBuilder` that reads a release from `--source`.
 
-    Adds the `on_error` choice and a `BuildReport`; the source directory arrives as TFDS's
-    manual directory. (A mixin, not a builder subclass, so TFDS registers no extra dataset.)
+    Adds the `on_error` choice; the source directory arrives as TFDS's manual directory. Each
+    builder names, in `source_files`, the files other than images that it reads: their digests
+    identify the source in the dataset's build record.
     """
 
     MANUAL_DOWNLOAD_INSTRUCTIONS = "Pass the directory holding the release with --source."
 
     def __init__(self, *, on_error: str = "fail", **kwargs):
         self.on_error = check_on_error(on_error)
-        self.report = BuildReport()
         super().__init__(**kwargs)
 
+    def source_files(self, src: pathlib.Path) -> list[pathlib.Path]:
+        raise NotImplementedError(f"{type(self).__name__} must name the files it reads")
+
+    def source_path(self, source: str | None) -> str:
+        # Resolved, so two spellings of one directory (a symlink, a relative path) are one source.
+        return str(self._given_source(source).resolve())
+
+    def origin(self, source: str | None) -> Origin:
+        src = self._existing_source(source).resolve()
+        return Origin.of_source(src, self.source_files(src))
+
     def source_dir(self, dl_manager) -> pathlib.Path:
-        manual = getattr(dl_manager, "_manual_dir", None)
-        if manual is None or not pathlib.Path(manual).is_dir():
-            raise BuildError(
-                f"{self.name}: source directory {manual} does not exist (pass --source)"
-            )
-        return pathlib.Path(manual)
+        return self._existing_source(getattr(dl_manager, "_manual_dir", None))
+
+    def _given_source(self, source) -> pathlib.Path:
+        if source is None:
+            raise BuildError(f"{self.name}: pass --source, the directory holding the release")
+        return pathlib.Path(source).expanduser()
+
+    def _existing_source(self, source) -> pathlib.Path:
+        path = self._given_source(source)
+        if not path.is_dir():
+            raise BuildError(f"{self.name}: source directory {source} does not exist (--source)")
+        return path

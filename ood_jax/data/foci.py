@@ -19,6 +19,15 @@ from ood_jax.data import building
 NUM_OPTIONS = 4
 RELEASE_OPTIONS_FILE = "foci_options.json"
 OPTIONS_FILE = "options.json"
+# The release files each test-split reader below opens, relative to SRC (a build's record keeps
+# their digests).
+RELEASE_TEST_FILES: dict[str, tuple[str, ...]] = {
+    "food101": ("meta/test.json",),
+    "flowers102": ("setid.mat", "imagelabels.mat"),
+    "fgvc_aircraft": ("data/images_variant_test.txt",),
+    "stanford_cars": ("cars_test_annos_withlabels.mat", "devkit/cars_meta.mat"),
+    "oxford_pet": ("annotations/test.txt",),
+}
 
 # The Oxford 102 flower names in label order: the CLIP-style list FOCI's loader uses.
 FLOWERS102_CLASSES = (
@@ -56,6 +65,10 @@ class TestSplit:
 # ---------------------------------------------------------------------------------------------
 # Release test splits (paths relative to SRC, as in FOCI's loaders and released option files)
 # ---------------------------------------------------------------------------------------------
+
+
+def _release_files(src: pathlib.Path, config: str) -> list[pathlib.Path]:
+    return [src / name for name in RELEASE_TEST_FILES[config]]
 
 
 def _add(labels: dict[str, str], image: str, label: str, where: str) -> None:
@@ -102,7 +115,7 @@ def _integers(values: np.ndarray, path: pathlib.Path, key: str) -> list[int]:
 
 
 def food101_test_split(src: pathlib.Path) -> TestSplit:
-    path = src / "meta" / "test.json"
+    (path,) = _release_files(src, "food101")
     metadata = building.load_json(path)
     if not isinstance(metadata, dict):
         raise building.BuildError(f"{path}: expected an object {{class: [image, ...]}}")
@@ -117,7 +130,7 @@ def food101_test_split(src: pathlib.Path) -> TestSplit:
 
 
 def flowers102_test_split(src: pathlib.Path) -> TestSplit:
-    setid_path, labels_path = src / "setid.mat", src / "imagelabels.mat"
+    setid_path, labels_path = _release_files(src, "flowers102")
     image_ids = _integers(_loadmat(setid_path, "tstid"), setid_path, "tstid")
     class_ids = _integers(_loadmat(labels_path, "labels"), labels_path, "labels")
     labels: dict[str, str] = {}
@@ -137,7 +150,7 @@ def flowers102_test_split(src: pathlib.Path) -> TestSplit:
 
 
 def fgvc_aircraft_test_split(src: pathlib.Path) -> TestSplit:
-    path = src / "data" / "images_variant_test.txt"
+    (path,) = _release_files(src, "fgvc_aircraft")
     labels: dict[str, str] = {}
     for number, line in _read_lines(path):
         parts = line.split(" ", 1)
@@ -148,8 +161,7 @@ def fgvc_aircraft_test_split(src: pathlib.Path) -> TestSplit:
 
 
 def stanford_cars_test_split(src: pathlib.Path) -> TestSplit:
-    annotations_path = src / "cars_test_annos_withlabels.mat"
-    meta_path = src / "devkit" / "cars_meta.mat"
+    annotations_path, meta_path = _release_files(src, "stanford_cars")
     class_names = [str(name) for name in _loadmat(meta_path, "class_names").ravel()]
     annotations = _loadmat(annotations_path, "annotations").ravel()
     for field in ("class", "fname"):
@@ -174,7 +186,7 @@ def pet_class_name(image_name: str) -> str:
 
 
 def oxford_pet_test_split(src: pathlib.Path) -> TestSplit:
-    path = src / "annotations" / "test.txt"
+    (path,) = _release_files(src, "oxford_pet")
     labels: dict[str, str] = {}
     names_by_class_id: dict[str, str] = {}
     for number, line in _read_lines(path):

@@ -15,8 +15,10 @@ What is read from the release directory SRC (`ood-jax build counts --source SRC`
 
 Nothing else is read. One split is written per (source split, domain) as `{split}_{domain}`,
 e.g. `train_snow`, holding the images of that domain in that file. TFDS cannot write a split
-without examples, so only (split, domain) pairs with at least one image are declared, and a
-split all of whose images are skipped fails the build naming it.
+without examples, so only (split, domain) pairs with at least one image are declared; an
+annotation file without images fails the build naming it (its source split would vanish), and
+so does a split all of whose images are skipped. The build record identifies the source by the
+SHA-256 of each annotation file present.
 
 Bad input fails the build naming the file and record: malformed JSON, a missing field, an
 unknown category or domain, an annotation of an unknown image, a duplicate image id, an
@@ -160,6 +162,12 @@ def parse_annotation_file(path: pathlib.Path) -> list[_ImageRecord]:
     return list(images.values())
 
 
+def _annotation_files(src: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Source split -> its COCO file, for the files present."""
+    files = {s: src / "annotations" / f"{s}.json" for s in counts.SOURCE_SPLITS}
+    return {s: path for s, path in files.items() if path.is_file()}
+
+
 class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
     """COUNTS: one split per (source split, domain), e.g. `train_snow`."""
 
@@ -180,10 +188,13 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
             homepage="https://huggingface.co/datasets/jianshengli/COUNTS",
         )
 
+    def source_files(self, src: pathlib.Path) -> list[pathlib.Path]:
+        return list(_annotation_files(src).values())
+
     def _split_generators(self, dl_manager) -> dict[str, Iterator]:
-        annotations = self.source_dir(dl_manager) / "annotations"
-        files = {s: annotations / f"{s}.json" for s in counts.SOURCE_SPLITS}
-        files = {s: path for s, path in files.items() if path.is_file()}
+        src = self.source_dir(dl_manager)
+        annotations = src / "annotations"
+        files = _annotation_files(src)
         if not files:
             raise BuildError(
                 f"{annotations}: none of {', '.join(f'{s}.json' for s in counts.SOURCE_SPLITS)}"
@@ -192,8 +203,15 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
         # Parse every file before writing anything, so bad annotations fail the build at once.
         by_split = collections.defaultdict(list)
         for split, path in files.items():
-            for record in parse_annotation_file(path):
+            records = parse_annotation_file(path)
+            if not records:
+                raise BuildError(
+                    f"{path}: no images, so every {split}_* split would be empty; add its "
+                    f"images or remove the file to build without a {split} split"
+                )
+            for record in records:
                 by_split[counts.split_name(split, record.domain)].append(record)
+        self.start_progress(sum(len(records) for records in by_split.values()), "images")
         images_dir = annotations.parent / "images"
         return {
             counts.split_name(split, domain): self._generate_examples(
@@ -210,7 +228,7 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
         self, records: list[_ImageRecord], images_dir: pathlib.Path, split: str
     ) -> Iterator[tuple[int, dict]]:
         written = 0
-        for record in records:
+        for record in self.track(records):
             path = images_dir / record.file_name
             image = building.read_image_or_skip(path, self.on_error, self.report)
             if image is None:
@@ -227,7 +245,7 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
             written += 1
             yield record.id, self._example(record, image)
         if not written:
-            raise BuildError(f"split {split}: every image was skipped, so it has no examples")
+            raise building.no_examples(split, len(records))
 
     def _example(self, record: _ImageRecord, image: building.EncodedImage) -> dict:
         xywh = np.array([o.xywh for o in record.objects], np.float64).reshape(-1, 4)

@@ -9,6 +9,10 @@ counted in the report and not written.
 
 The file lists the truth first; each example's options are shuffled by a permutation drawn from a
 SHA-256 of (config seed, image path), so two builds agree and `answer` is uniform over 0..3.
+
+An options file without entries, or a build whose every image is skipped, fails naming it: TFDS
+cannot write an empty `test` split. The build record identifies the source by the SHA-256 of the
+options file and of the release's test list (`ood_jax.data.foci.RELEASE_TEST_FILES`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from ood_jax.data.foci import (
     NUM_OPTIONS,
     OPTIONS_FILE,
     RELEASE_OPTIONS_FILE,
+    RELEASE_TEST_FILES,
     RELEASE_TEST_SPLITS,
     TestSplit,
 )
@@ -283,11 +288,21 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
             citation=_CITATION,
         )
 
+    def source_files(self, src: pathlib.Path) -> list[pathlib.Path]:
+        config = self.builder_config
+        release = RELEASE_TEST_FILES.get(config.name, ())
+        return [src / config.options_file, *(src / name for name in release)]
+
     def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict[str, Iterator]:
         src = self.source_dir(dl_manager)
         config = self.builder_config
         options_path = src / config.options_file
         entries = read_options(options_path)
+        if not entries:
+            raise building.BuildError(
+                f"{options_path}: no entries, so split test would be empty; the file should "
+                "map each label to its questions"
+            )
         if config.name in RELEASE_TEST_SPLITS:
             items = join_release(entries, RELEASE_TEST_SPLITS[config.name](src), self.report)
         elif config.name.startswith("imagenet21k_"):
@@ -295,16 +310,19 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
         else:
             items = custom_items(entries)
         _check_unique(items, options_path)
+        self.start_progress(len(items), "images")
         return {"test": self._generate_examples(src, items)}
 
     def _generate_examples(
         self, src: pathlib.Path, items: list[Item]
     ) -> Iterator[tuple[str, dict[str, Any]]]:
         config = self.builder_config
-        for item in items:
+        written = 0
+        for item in self.track(items):
             image = building.read_image_or_skip(src / item.image, self.on_error, self.report)
             if image is None:
                 continue
+            written += 1
             options, answer = shuffle_options(item.options, item.label, config.seed, item.image)
             yield (
                 item.image,
@@ -317,3 +335,5 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
                     "dataset": config.name,
                 },
             )
+        if not written:
+            raise building.no_examples("test", len(items))

@@ -7,6 +7,10 @@ Source layout (`--source SRC`):
     SRC/splits.jsonl      {"image_id": int, "category": name, "split": "ID" | "OOD-S" | "OOD-H"}
 
 Splits: `id`, `ood_s`, `ood_h`. Answers come from the annotations, never from splits.jsonl.
+Every split must get questions: an empty splits.jsonl, a split label it never uses, or a split
+none of whose instances gives a question fails the build naming the split (TFDS cannot write an
+empty split, and a dataset missing one would look finished). The build record identifies the
+source by the SHA-256 of annotations.json and splits.jsonl.
 
 Config `default`: every instance gives two questions with opposite answers, as the paper does to
 balance labels (data-construction paragraph, Fig. 4). The wording is the paper's and its released
@@ -73,6 +77,16 @@ def _bap(level: str, question: str, answer: str, categories: list[str]) -> dict:
     return {"level": level, "question": question, "answer": answer, "categories": categories}
 
 
+def _empty_split(
+    splits_path: pathlib.Path, label: str, split: str, instances: int
+) -> building.BuildError:
+    if not instances:
+        why = f"{splits_path} has no line with split {label!r}"
+    else:
+        why = f"none of its {instances} instances in {splits_path} gives a question"
+    return building.BuildError(f"split {split} would be empty: {why} (see the build report)")
+
+
 class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
     """OODBench from COCO/LVIS annotations and the ID / OOD-S / OOD-H instance list."""
 
@@ -114,21 +128,30 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
             description=__doc__, features=tfds.features.FeaturesDict(features)
         )
 
+    def source_files(self, src: pathlib.Path) -> list[pathlib.Path]:
+        return [src / "annotations.json", src / "splits.jsonl"]
+
     def _split_generators(self, dl_manager) -> dict[str, Iterator]:
         root = self.source_dir(dl_manager)
         categories, names, images = oodbench.read_annotations(root / "annotations.json")
-        instances = oodbench.read_splits(root / "splits.jsonl", images, names)
+        splits_path = root / "splits.jsonl"
+        instances = oodbench.read_splits(splits_path, images, names)
+        if not any(instances.values()):
+            raise building.BuildError(
+                f"{splits_path}: no instances, so every split would be empty; it should hold "
+                '{"image_id", "category", "split"} lines'
+            )
         source = _Source(root / "images", categories, images, instances)
         plan = self._bap_questions if self.builder_config.name == "bap" else self._yes_no_questions
-        generators = {}
-        for split in SPLITS.values():
-            questions = plan(source, split)
-            # TFDS cannot write a split without examples, so such a split is left out.
-            if questions:
-                generators[split] = self._generate_examples(source, questions)
-            else:
-                self.report.notes[f"split {split} left out: no questions"] += 1
-        return generators
+        questions = {split: plan(source, split) for split in SPLITS.values()}
+        for label, split in SPLITS.items():
+            if not questions[split]:
+                raise _empty_split(splits_path, label, split, len(instances[split]))
+        self.start_progress(sum(len(q) for q in questions.values()), "images")
+        return {
+            split: self._generate_examples(source, split, questions[split])
+            for split in SPLITS.values()
+        }
 
     def _read(self, source: _Source, image_id: int) -> building.EncodedImage | None:
         path = source.images_dir / source.images[image_id].file_name
@@ -141,15 +164,19 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
         return encoded
 
     def _generate_examples(
-        self, source: _Source, questions: dict[int, list[tuple[str, dict]]]
+        self, source: _Source, split: str, questions: dict[int, list[tuple[str, dict]]]
     ) -> Iterator[tuple[str, dict]]:
         """Adds each image, read once for all its questions, to the planned examples."""
-        for image_id, examples in questions.items():
+        written = 0
+        for image_id in self.track(list(questions)):
             encoded = self._read(source, image_id)
             if encoded is None:
                 continue
-            for key, example in examples:
+            written += 1
+            for key, example in questions[image_id]:
                 yield f"{image_id}/{key}", {**example, "image": encoded.jpeg, "image/id": image_id}
+        if not written:
+            raise building.no_examples(split, len(questions))
 
     def _yes_no_questions(self, source: _Source, split: str) -> dict[int, list[tuple[str, dict]]]:
         """Image id -> (key, example without the image) of the split's yes/no questions."""

@@ -13,7 +13,8 @@ expressions (`counts.held_out_split_expressions`) select held-out domains. Confi
 - `demo`: 160 train + 40 test images per domain, 128-160 px (2,800 images).
 
 A config's output is a pure function of its seed: split `s` renders with seed `2 * seed + s`
-(train 0, test 1), so train and test never share an image.
+(train 0, test 1), so train and test never share an image. The build record holds the config's
+settings (`SyntheticConfig`'s fields): a rebuild whose config renders otherwise is refused.
 """
 
 from __future__ import annotations
@@ -47,6 +48,14 @@ class SyntheticConfig(tfds.core.BuilderConfig):
     seed: int = 0
 
 
+# The fields a config adds to TFDS's BuilderConfig: what its images are rendered from.
+_SETTINGS = tuple(
+    f.name
+    for f in dataclasses.fields(SyntheticConfig)
+    if f.name not in {g.name for g in dataclasses.fields(tfds.core.BuilderConfig)}
+)
+
+
 def _object_ids(split_index: int, domain_index: int, index: int, count: int) -> np.ndarray:
     if count > 1 << _OBJECT_BITS:
         raise ValueError(f"at most {1 << _OBJECT_BITS} objects per image, got {count}")
@@ -60,7 +69,7 @@ def _jpeg(pixels: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-class Builder(tfds.core.GeneratorBasedBuilder):
+class Builder(building.ReportingBuilder, tfds.core.GeneratorBasedBuilder):
     """Synthetic shapes in COUNTS' 14 domains: splits `train_{domain}`, `test_{domain}`."""
 
     VERSION = tfds.core.Version("1.0.0")
@@ -86,10 +95,12 @@ class Builder(tfds.core.GeneratorBasedBuilder):
         ),
     ]
 
-    def __init__(self, **kwargs):
-        # Counts boxes that cleaning changes, as the source builders do (none are expected).
-        self.report = building.BuildReport()
-        super().__init__(**kwargs)
+    def origin(self, source: str | None) -> building.Origin:
+        del source  # Nothing is read.
+        config = self.builder_config
+        return building.Origin.of_settings(
+            {"config": config.name, **{name: getattr(config, name) for name in _SETTINGS}}
+        )
 
     def _info(self) -> tfds.core.DatasetInfo:
         return tfds.core.DatasetInfo(
@@ -106,6 +117,7 @@ class Builder(tfds.core.GeneratorBasedBuilder):
         del dl_manager  # Nothing is downloaded or read.
         config = self.builder_config
         sizes = {"train": config.train_per_domain, "test": config.test_per_domain}
+        self.start_progress(sum(sizes.values()) * len(counts.DOMAINS), "images")
         return {
             counts.split_name(split, domain): self._generate_examples(split, domain, sizes[split])
             for split in SPLITS
@@ -120,7 +132,7 @@ class Builder(tfds.core.GeneratorBasedBuilder):
         examples = synthetic_render.render_split(
             2 * config.seed + split_index, domain, num_examples, tuple(config.size_range)
         )
-        for index, example in enumerate(examples):
+        for index, example in enumerate(self.track(examples)):
             height, width = example["image"].shape[:2]
             bbox, kept = building.clean_boxes(example["boxes"], height, width, self.report)
             ids = _object_ids(split_index, domain_index, index, len(kept))
