@@ -42,12 +42,18 @@ class ChatServer:
 
     `respond(body, attempt)` -> (status, headers, payload dict or bytes); `attempt` counts the
     requests seen with the same body (1 for the first). Every request is kept in `requests` as
-    (path, headers, body).
+    (path, headers, body); `max_active` is the most requests it was answering at once.
+    GET /v1/models lists `models` ({"data": [{"id": ...}]}); with `models` None it is a 404,
+    as on a server without the route. A slow `respond` waits on `closing`, which is set when
+    the server shuts down, and a client that hung up is no error.
     """
 
-    def __init__(self, respond):
-        self.respond = respond
+    def __init__(self, respond, models: list[str] | None = None):
+        self.respond, self.models = respond, models
         self.requests: list[tuple[str, dict, dict]] = []
+        self.model_queries = 0
+        self.active = self.max_active = 0
+        self.closing = threading.Event()
         self._attempts: dict[bytes, int] = {}
         self._lock = threading.Lock()
 
@@ -59,6 +65,15 @@ class ChatServer:
         server = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                with server._lock:
+                    server.model_queries += 1
+                if self.path != "/v1/models" or server.models is None:
+                    self._send(404, {}, {"detail": "Not Found"})
+                    return
+                listed = [{"id": m, "object": "model"} for m in server.models]
+                self._send(200, {}, {"object": "list", "data": listed})
+
             def do_POST(self):
                 raw = self.rfile.read(int(self.headers["Content-Length"]))
                 body = json.loads(raw)
@@ -66,24 +81,40 @@ class ChatServer:
                     server.requests.append((self.path, dict(self.headers), body))
                     server._attempts[raw] = server._attempts.get(raw, 0) + 1
                     attempt = server._attempts[raw]
-                status, headers, payload = server.respond(body, attempt)
+                    server.active += 1
+                    server.max_active = max(server.max_active, server.active)
+                try:
+                    status, headers, payload = server.respond(body, attempt)
+                finally:
+                    with server._lock:
+                        server.active -= 1
+                self._send(status, headers, payload)
+
+            def _send(self, status, headers, payload):
                 data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-                self.send_response(status)
-                for name, value in headers.items():
-                    self.send_header(name, value)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.send_response(status)
+                    for name, value in headers.items():
+                        self.send_header(name, value)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up on this request (a timeout, Ctrl-C)
 
             def log_message(self, *args):
                 pass
 
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        # A short poll: shutdown waits for it, and the tests start hundreds of servers.
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        )
         self._thread.start()
         return self
 
     def __exit__(self, *exc):
+        self.closing.set()
         self._server.shutdown()
         self._server.server_close()
 
@@ -179,7 +210,7 @@ def test_retries_rate_limits_and_server_errors_honouring_retry_after(api_key):
     sleeps: list[float] = []
     with ChatServer(respond) as server:
         reply = _client(server.url, sleeps).generate(Request("hello"))
-    assert reply == "echo hello"
+    assert reply.text == "echo hello" and reply.attempts == 4
     assert server.hits == 4
     assert all(path == "/v1/chat/completions" for path, _, _ in server.requests)
     assert all(h["Authorization"] == f"Bearer {KEY}" for _, h, _ in server.requests)
@@ -226,26 +257,47 @@ def test_connection_refused_is_retried_then_fails():
 def test_timeout_is_retried():
     def respond(body, attempt):
         if attempt == 1:
-            time.sleep(0.6)
+            server.closing.wait(3)
         return 200, {}, completion("late but fine")
 
     with ChatServer(respond) as server:
+        started = time.monotonic()
         reply = _client(server.url, [], timeout_s=0.2).generate(Request("slow"))
-    assert reply == "late but fine"
+        assert time.monotonic() - started < 1.5
+    assert reply.text == "late but fine" and reply.attempts == 2
     assert server.hits == 2
 
+    def never(body, attempt):
+        server.closing.wait(3)
+        return 200, {}, completion("too late")
 
-def test_malformed_completion_fails_at_once():
-    with ChatServer(lambda body, attempt: (200, {}, b"<html>oops</html>")) as server:
-        with pytest.raises(ClientError, match="sent no chat completion"):
-            _client(server.url, []).generate(Request("x"))
-    assert server.hits == 1
+    with ChatServer(never) as server:
+        with pytest.raises(ClientError, match="gave up after 2 attempts.*within 0.2 s") as info:
+            _client(server.url, [], timeout_s=0.2, max_attempts=2).generate(Request("slow"))
+    assert info.value.kind == "timeout" and info.value.attempts == 2
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [b"<html>oops</html>", {"choices": []}, {"choices": [{"message": {"content": 7}}]}],
+    ids=["not JSON", "empty choices", "odd content"],
+)
+def test_a_reply_that_is_no_completion_is_retried_within_the_run(bad):
+    sleeps: list[float] = []
+    script = lambda body, attempt: (200, {}, bad if attempt == 1 else completion("B"))  # noqa: E731
+    with ChatServer(script) as server:
+        reply = _client(server.url, sleeps).generate(Request("x"))
+    assert reply.text == "B" and reply.attempts == 2 and server.hits == 2
+    with ChatServer(lambda body, attempt: (200, {}, bad)) as server:
+        with pytest.raises(ClientError, match="gave up after 4 attempts.*no chat completion"):
+            _client(server.url, sleeps).generate(Request("x"))
+    assert server.hits == 4
 
 
 def test_content_parts_reply_is_joined():
     payload = {"choices": [{"message": {"content": [{"type": "text", "text": "B"}, {"x": 1}]}}]}
     with ChatServer(lambda body, attempt: (200, {}, payload)) as server:
-        assert _client(server.url, []).generate(Request("x")) == "B"
+        assert _client(server.url, []).generate(Request("x")).text == "B"
 
 
 # --- where requests go --------------------------------------------------------------------------
@@ -265,7 +317,7 @@ def test_proxies_are_ignored_and_redirects_refused(api_key, monkeypatch):
     for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
         monkeypatch.setenv(name, "http://127.0.0.1:1")
     with ChatServer(lambda body, attempt: (200, {}, completion("direct"))) as server:
-        assert _client(server.url, []).generate(Request("x")) == "direct"
+        assert _client(server.url, []).generate(Request("x")).text == "direct"
     assert server.hits == 1
 
     with ChatServer(lambda body, attempt: (200, {}, completion("elsewhere"))) as other:
@@ -287,7 +339,7 @@ def test_concurrent_calls_share_one_client(api_key):
         for k in range(8):
 
             def call(k=k):
-                replies[k] = client.generate(Request(f"item {k}"))
+                replies[k] = client.generate(Request(f"item {k}")).text
 
             threads.append(threading.Thread(target=call))
             threads[-1].start()
@@ -407,7 +459,9 @@ def test_local_client_matches_greedy_reference_with_interleaved_images(tiny_llav
         expected = _greedy_reference(client, request, 6)
         decoded = client.processor.decode(expected, skip_special_tokens=True).strip()
         reply = client.generate(request)
-        assert reply == decoded
+        assert reply.text == decoded
+        assert reply.usage["prompt_tokens"] == inputs["input_ids"].shape[1]
+        assert reply.usage["completion_tokens"] == len(expected)
     # The images go in placeholder order: swapping them changes what the model sees.
     swapped = Request(requests[1].prompt, images[::-1])
     first, second = client.inputs(requests[1]), client.inputs(swapped)
@@ -452,7 +506,8 @@ def test_local_client_through_eval_mllm(tiny_llava, tmp_path, capsys):
     records = [json.loads(x) for x in (tmp_path / "run" / runner.PREDICTIONS_FILE).open()]
     for k, record in enumerate(records):
         image = ImageInput.from_bytes((tmp_path / f"{k}.png").read_bytes())
-        assert record["reply"] == client.generate(
-            Request(prompts.counts_grounding(options), (image,))
+        assert (
+            record["reply"]
+            == client.generate(Request(prompts.counts_grounding(options), (image,))).text
         )
     assert "## Visual Grounding" in capsys.readouterr().out

@@ -156,9 +156,15 @@ def test_foci_run_with_a_flaky_server(foci_data, tmp_path, api_key, capsys):
     out = tmp_path / "run"
     argv = ["eval-mllm", "foci", "--data-dir", str(foci_data), "--model", "tiny"]
     argv += ["--output", str(out), "--concurrency", "3", "--max-attempts", "3"]
-    argv += ["--backoff", "0.01", "--api-key-env", KEY_ENV, "--no-progress"]
+    # Two first attempts in three fail: more retries than the default budget allows.
+    argv += ["--backoff", "0.01", "--retry-budget", "40", "--api-key-env", KEY_ENV]
+    argv += ["--no-progress"]
     with ChatServer(foci_server(failing_image(foci_data))) as server:
-        results = run_cli(["eval-mllm", "foci", "--endpoint", server.url, *argv[2:]])
+        with pytest.raises(SystemExit) as failed:
+            run_cli(["eval-mllm", "foci", "--endpoint", server.url, *argv[2:]])
+    # A run with a failed item does not exit 0.
+    assert failed.value.code == eval_cli.EXIT_INCOMPLETE
+    results = json.loads((out / runner.RESULTS_JSON).read_text())
     printed = capsys.readouterr()
     # Every request: our key as a Bearer header, greedy, FOCI's 10-token budget, image first.
     for _, headers, body in server.requests:
@@ -181,12 +187,16 @@ def test_foci_run_with_a_flaky_server(foci_data, tmp_path, api_key, capsys):
     unread = sum(foci_reply(t).startswith("I am") for t, _, f in all_rows if not f)
     assert results["generation_failures"] == 1 + unread
     assert results["complete"] is False
+    assert results["outcomes"] == {
+        "answered": n - 1, "truncated": 0, "refused": 0, "empty": 0, "error": 1
+    }  # fmt: skip
 
     lines = (out / runner.PREDICTIONS_FILE).read_text().splitlines()
     records = [json.loads(line) for line in lines]
     assert len(records) == n and len({r["id"] for r in records}) == n
-    assert sum(r["error"] is not None for r in records) == 1
-    assert json.loads((out / runner.RESULTS_JSON).read_text()) == results
+    (failure,) = [r for r in records if r["error"] is not None]
+    assert failure["error_kind"] == "HTTP 500" and failure["attempts"] == 3
+    assert failure["outcome"] == "error"
     assert "## FOCI" in (out / runner.RESULTS_MD).read_text()
     _no_key_anywhere(out, printed.out, printed.err)
 
@@ -195,7 +205,17 @@ def test_foci_run_with_a_flaky_server(foci_data, tmp_path, api_key, capsys):
         again = run_cli(["eval-mllm", "foci", "--endpoint", server.url, *argv[2:]])
     assert server.hits == 1
     assert again["complete"] is True and again["request_failures"] == 0
+    assert f"1 of {n} items failed; rerun the same command to retry them" in printed.err
     assert len((out / runner.PREDICTIONS_FILE).read_text().splitlines()) == n
+
+
+def _timeless(predictions: pathlib.Path) -> list[dict]:
+    """The records of a predictions file, in order, without the one field that varies: latency."""
+    records = [json.loads(line) for line in predictions.read_text().splitlines()]
+    for record in records:
+        assert record["outcome"] == "error" or record["latency_s"] >= 0
+        del record["latency_s"]
+    return records
 
 
 class Killed(Exception):
@@ -241,7 +261,7 @@ def test_killed_run_resumes_without_resending(foci_data, tmp_path):
         # Only the items never answered and the torn one were sent.
         assert server.hits == 7 + (n - 7) + 1
     assert resumed == clean
-    assert predictions.read_text() == (tmp_path / "clean" / runner.PREDICTIONS_FILE).read_text()
+    assert _timeless(predictions) == _timeless(tmp_path / "clean" / runner.PREDICTIONS_FILE)
 
     # A limited run, then the full one: every item is sent exactly once.
     with ChatServer(respond) as server:

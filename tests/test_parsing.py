@@ -1,4 +1,5 @@
-"""Reply parsing: option letters (strict and FOCI's rule), yes/no, COUNTS boxes and counts."""
+"""Reply parsing: option letters (strict and FOCI's rule), yes/no, COUNTS boxes and counts, and
+reasoning models' <think> blocks taken out first."""
 
 import pytest
 
@@ -11,6 +12,7 @@ from ood_jax.eval.parsing import (
     parse_mapping,
     parse_option_text,
     parse_yes_no,
+    split_think,
 )
 
 COUNTS_REPLY = (
@@ -216,3 +218,30 @@ def test_parse_mapping_reads_the_answer_after_the_echoed_template() -> None:
         1,
         0,
     ]
+
+
+@pytest.mark.parametrize(
+    "reply, answer, reasoning",
+    [
+        ("(B) a dog", "(B) a dog", None),
+        ("<think>The ears are long.</think>\n\n(B) a dog", "(B) a dog", "The ears are long."),
+        # The chat template opened the block (Qwen3, DeepSeek-R1): only its end is in the reply.
+        ("Long ears, so a dog.\n</think>\n\nAnswer: B", "Answer: B", "Long ears, so a dog."),
+        # The budget ran out while thinking: no answer at all.
+        ("<think>First, the image shows a", "", "First, the image shows a"),
+        ("  <THINK>x</Think> yes", "yes", "x"),
+        ("<think></think>C", "C", None),
+        ("A <think>one</think>B<think>two</think>", "A B", "one\n\ntwo"),
+    ],
+)
+def test_split_think(reply: str, answer: str, reasoning: str | None) -> None:
+    assert split_think(reply) == (answer, reasoning)
+
+
+def test_think_blocks_made_both_parse_modes_fail_until_split() -> None:
+    # Finding 5 of issue 15: a reasoning model's reply, as vLLM sends it without a parser.
+    reply = "<think>Options A to D; the fur is striped, so tabby.</think>\nD"
+    assert parse_choice(reply, 4, "strict") is None
+    assert parse_choice(reply, 4, "foci") is None
+    answer, _ = split_think(reply)
+    assert parse_choice(answer, 4, "strict") == parse_choice(answer, 4, "foci") == 3

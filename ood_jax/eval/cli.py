@@ -5,17 +5,69 @@ asked through a client of ood_jax.eval.clients by ood_jax.eval.runner (or answer
 ood_jax.eval.clip_baseline with --clip). `add_stats_parsers(commands)` adds `clip-conditional`
 to the checks of `ood-jax stats` (ood_jax.stats.cli), since it reads eval-mllm run directories.
 Each subcommand's `run` takes the parsed arguments.
+
+eval-mllm's exit status says how the run went (EXIT_CODES, also in its --help): 0 only when every
+item of the run has a reply; EXIT_INCOMPLETE when some requests failed for good (rerun to retry
+them); EXIT_STOPPED when the run stopped early because items in a row failed the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import pathlib
 import sys
 
 from ood_jax import help_text
-from ood_jax.eval import clients, runner, tasks
+from ood_jax.eval import clients, interleaving, probe, runner, tasks
 from ood_jax.stats import cli as stats_cli
+
+
+EXIT_INCOMPLETE = 3
+EXIT_STOPPED = 4
+EXIT_CODES = (
+    "exit status:\n"
+    "  0    the run is complete: every item has a reply\n"
+    "  1    a usage or data error, or the preflight failed (one error: line)\n"
+    f"  {EXIT_INCOMPLETE}    the run finished with failed requests; rerun the same command to "
+    "retry them\n"
+    f"  {EXIT_STOPPED}    stopped early: --max-consecutive-failures items in a row failed the "
+    "same way\n"
+    "  130  interrupted (Ctrl-C); rerun the same command to continue"
+)
+
+# What to do about a run that stopped early, by the kind of error that stopped it.
+_FIXES = {
+    "timeout": "the server takes longer than --timeout per request: raise --timeout, or "
+    "lower --concurrency (the time a request waits in the server's queue counts)",
+    "connection": "is the server running at --endpoint?",
+    "malformed reply": "the endpoint does not answer as an OpenAI-compatible chat-completions "
+    "server: check --endpoint (its base URL, such as http://127.0.0.1:8000/v1)",
+    "TLS": "the server's certificate is not trusted here",
+    "HTTP 400": "the server rejects the request: check --model, --max-tokens, --token-param "
+    "(o-series models take max_completion_tokens), --temperature and --extra-body",
+    "HTTP 401": "the server refuses the API key: check the variable --api-key-env names",
+    "HTTP 403": "the server refuses the API key: check the variable --api-key-env names",
+    "HTTP 404": "check --endpoint (the base URL, ending in /v1 for most servers) and --model",
+    "HTTP 413": "the request is too large for the server (images): raise its body size limit",
+    "HTTP 422": "the server rejects the request body: check --token-param, --temperature "
+    "and --extra-body",
+    "HTTP 429": "rate limited: lower --concurrency, raise --max-retry-after, or rerun later",
+}
+_SERVER_FIX = (
+    "the server fails: see its log (some servers, transformers serve among them, answer a "
+    "misspelled --model with HTTP 500)"
+)
+
+
+def fix_for(kind: str) -> str:
+    """What to do about a run that stopped early with errors of `kind`."""
+    if kind in _FIXES:
+        return _FIXES[kind]
+    if kind.startswith("HTTP 5"):
+        return _SERVER_FIX
+    return "see the error above"
 
 
 def add_parsers(subparsers) -> None:
@@ -36,7 +88,12 @@ def _add_eval_mllm(subparsers) -> None:
             "per item, appended as replies arrive), results.json and results.md. Rerunning into "
             "the same OUTPUT sends only the items still without a reply; Ctrl-C keeps the "
             "replies received. --limit N writes results.limitN.json and results.limitN.md "
-            "beside the full results, never over them."
+            "beside the full results, never over them. With --endpoint, GET {endpoint}/models "
+            "must list --model first; each prediction keeps the reply's finish reason, refusal, "
+            "reasoning, token usage, latency and attempts, and the results count replies "
+            "answered, truncated, refused, empty and failed. A run stops early when "
+            "--max-consecutive-failures items in a row fail the same way; the exit status says "
+            "how it went."
         ),
         epilog=help_text.examples(
             "ood-jax eval-mllm foci --data-dir data/tfds --config food101 \\\n"
@@ -44,7 +101,16 @@ def _add_eval_mllm(subparsers) -> None:
             "--output runs/foci_qwen",
             "ood-jax eval-mllm counts-oodg --items items/items.jsonl --local models/llava "
             "--output runs/oodg --limit 20",
-        ),
+            "ood-jax eval-mllm oodbench --data-dir data/tfds --endpoint "
+            "http://127.0.0.1:8000/v1 \\\n      --model Qwen/Qwen2.5-VL-7B-Instruct "
+            "--concurrency 32 --output runs/oodbench_qwen",
+            "ood-jax eval-mllm foci --data-dir data/tfds --config food101 --endpoint "
+            "https://api.openai.com/v1 \\\n      --model o4-mini --token-param "
+            "max_completion_tokens --temperature none --max-tokens 2048 \\\n      "
+            '--extra-body \'{"reasoning_effort": "low"}\' --output runs/foci_o4mini',
+        )
+        + "\n\n"
+        + EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("benchmark", choices=tasks.BENCHMARKS)
@@ -64,6 +130,12 @@ def _add_eval_mllm(subparsers) -> None:
         "--clip", metavar="PATH", help="CLIP/SigLIP baseline: a scorer directory (from_hf)"
     )
     p.add_argument("--model", help="model name sent to the endpoint (required with --endpoint)")
+    p.add_argument(
+        interleaving.PROBE_FLAG,
+        action="store_true",
+        help="--endpoint: first measure where the server puts a turn's images (exactly via "
+        "vLLM's /tokenize, else from greedy replies) and record it in the results",
+    )
     p.add_argument("--output", required=True, help="run directory (predictions and results)")
     p.add_argument(
         "--setting",
@@ -79,7 +151,14 @@ def _add_eval_mllm(subparsers) -> None:
         type=int,
         help="only the first N items; their results go to OUTPUT/results.limitN.{json,md}",
     )
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=clients.DEFAULT_CONCURRENCY,
+        help="most requests in flight; fewer while the server signals overload (429, 5xx, "
+        f"timeouts), back up one at a time as it copes (default {clients.DEFAULT_CONCURRENCY}, "
+        "for one local server; batching servers and hosted APIs take 16-64)",
+    )
     p.add_argument(
         "--max-tokens",
         type=int,
@@ -91,13 +170,80 @@ def _add_eval_mllm(subparsers) -> None:
         default=clients.DEFAULT_API_KEY_ENV,
         help="environment variable holding the API key (default OPENAI_API_KEY); unset: no key",
     )
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds per HTTP request")
-    p.add_argument("--max-attempts", type=int, default=6, help="HTTP attempts per item")
-    p.add_argument(
+    http = p.add_argument_group("requests (--endpoint)")
+    http.add_argument(
+        "--token-param",
+        choices=clients.TOKEN_PARAMS,
+        default="max_tokens",
+        help="the request field of the generation budget (default max_tokens; OpenAI's "
+        "o-series and other reasoning models take max_completion_tokens)",
+    )
+    http.add_argument(
+        "--temperature",
+        type=_temperature,
+        default=0.0,
+        metavar="T|none",
+        help="sampling temperature (default 0, greedy); none: send no temperature, for "
+        "models that reject one",
+    )
+    http.add_argument(
+        "--extra-body",
+        metavar="JSON",
+        help="a JSON object merged into every request body (vendor sampling parameters such "
+        "as top_k, reasoning_effort or chat_template_kwargs); part of the run's identity",
+    )
+    http.add_argument(
+        "--timeout",
+        type=float,
+        default=clients.DEFAULT_TIMEOUT_S,
+        help="seconds an attempt may take, from sending a request to its whole reply; after a "
+        "timeout one request at a time goes out until the server catches up, since it may "
+        f"still be computing the abandoned one (default {clients.DEFAULT_TIMEOUT_S:g})",
+    )
+    http.add_argument(
+        "--max-attempts",
+        type=int,
+        default=clients.DEFAULT_MAX_ATTEMPTS,
+        help=f"HTTP attempts per item (default {clients.DEFAULT_MAX_ATTEMPTS})",
+    )
+    http.add_argument(
+        "--retry-budget",
+        type=int,
+        help="retries the whole run may make (default: 10, plus one per 4 items asked), so "
+        "that a failing server costs a few requests, not --max-attempts per item",
+    )
+    http.add_argument(
+        "--max-retry-after",
+        type=float,
+        default=clients.DEFAULT_MAX_RETRY_AFTER_S,
+        help="longest Retry-After, in seconds, waited for; a server asking for longer fails "
+        f"that item at once, saying so (default {clients.DEFAULT_MAX_RETRY_AFTER_S:g}; 0: "
+        "never wait on one)",
+    )
+    http.add_argument(
         "--backoff",
         type=float,
         default=1.0,
         help="first retry wait in seconds, doubling per attempt up to 60 s (default 1)",
+    )
+    http.add_argument(
+        "--no-model-check",
+        action="store_true",
+        help="skip the preflight GET {endpoint}/models that checks --model is served",
+    )
+    p.add_argument(
+        "--max-consecutive-failures",
+        type=int,
+        default=runner.DEFAULT_MAX_CONSECUTIVE_FAILURES,
+        help="stop the run when this many items in a row fail with the same kind of error, "
+        f"keeping every reply (default {runner.DEFAULT_MAX_CONSECUTIVE_FAILURES}; 0: never)",
+    )
+    p.add_argument(
+        "--strip-think",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="take <think>...</think> reasoning out of replies before they are parsed, "
+        "keeping it as the prediction's reasoning (default: on; part of the run's identity)",
     )
     p.add_argument(
         "--parse-mode",
@@ -119,25 +265,69 @@ def _fail(message: str) -> SystemExit:
     return SystemExit(f"error: {message}")
 
 
+def _temperature(value: str) -> float | None:
+    if value.lower() == "none":
+        return None
+    try:
+        temperature = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number or 'none': {value!r}") from None
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {value!r}")
+    return temperature
+
+
+def _extra_body(value: str | None) -> dict | None:
+    """--extra-body parsed and checked; a bad one is one error line naming the flag."""
+    if value is None:
+        return None
+    try:
+        body = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise _fail(f"--extra-body is not JSON ({e.msg} at character {e.pos}): {value!r}") from None
+    try:
+        return clients.check_extra_body(body)
+    except ValueError as e:
+        raise _fail(str(e)) from None
+
+
 def _check_eval_arguments(args: argparse.Namespace) -> None:
     if args.endpoint and not args.model:
         raise _fail("--endpoint needs --model (the name the server knows the model by)")
     if args.templates and not args.clip:
         raise _fail("--templates applies to --clip only")
+    args.extra_body = _extra_body(args.extra_body)
+    if not args.endpoint:
+        for flag, given in (
+            ("--token-param", args.token_param != "max_tokens"),
+            ("--temperature", args.temperature != 0),
+            ("--extra-body", args.extra_body is not None),
+            (interleaving.PROBE_FLAG, args.check_interleaving),
+        ):
+            if given:
+                raise _fail(f"{flag} applies to --endpoint only")
     for flag, value, least in (
         ("--concurrency", args.concurrency, 1),
         ("--limit", args.limit, 0),
         ("--max-tokens", args.max_tokens, 1),
         ("--max-attempts", args.max_attempts, 1),
+        ("--retry-budget", args.retry_budget, 0),
+        ("--max-consecutive-failures", args.max_consecutive_failures, 0),
         ("--batch-size", args.batch_size, 1),
     ):
         if value is not None and value < least:
             raise _fail(f"{flag} must be at least {least}, got {value}")
+    if not args.timeout > 0:
+        raise _fail(f"--timeout must be positive, got {args.timeout}")
+    if not args.max_retry_after >= 0:
+        raise _fail(f"--max-retry-after must be non-negative, got {args.max_retry_after}")
 
 
 def _make_client(args: argparse.Namespace, max_tokens: int):
     if args.local:
-        return clients.TransformersClient(args.local, max_new_tokens=max_tokens)
+        return clients.TransformersClient(
+            args.local, max_new_tokens=max_tokens, task=args.benchmark
+        )
     try:
         client = clients.OpenAIChatClient(
             args.endpoint,
@@ -147,11 +337,22 @@ def _make_client(args: argparse.Namespace, max_tokens: int):
             timeout_s=args.timeout,
             max_attempts=args.max_attempts,
             backoff_base_s=args.backoff,
+            max_retry_after_s=args.max_retry_after,
+            token_param=args.token_param,
+            temperature=args.temperature,
+            extra_body=args.extra_body,
         )
     except ValueError as e:
         raise _fail(str(e)) from None
     if not client.has_api_key:
         print(f"note: ${args.api_key_env} is not set; sending no API key", file=sys.stderr)
+    if not args.no_model_check:
+        try:
+            note = client.check_model()
+        except clients.ClientError as e:
+            raise _fail(str(e)) from None
+        if note:
+            print(f"note: {note}", file=sys.stderr)
     return client
 
 
@@ -183,9 +384,19 @@ def run_eval_mllm(args: argparse.Namespace) -> dict:
                 concurrency=args.concurrency,
                 limit=args.limit,
                 progress=progress,
+                retry_budget=args.retry_budget,
+                max_consecutive_failures=args.max_consecutive_failures,
+                strip_think=args.strip_think,
+                warnings=_interleaving_warnings(args, benchmark),
             )
     except (runner.RunError, tasks.ItemsError, FileNotFoundError) as e:
         raise _fail(str(e)) from None
+    except runner.RunStopped as e:
+        print(
+            f"stopped: {e}. To fix: {fix_for(e.kind)}; then rerun the same command to continue",
+            file=sys.stderr,
+        )
+        raise SystemExit(EXIT_STOPPED) from None
     output = pathlib.Path(args.output)
     json_name, md_name = runner.results_files(results.get("limit"))
     print((output / md_name).read_text())
@@ -200,13 +411,62 @@ def run_eval_mllm(args: argparse.Namespace) -> dict:
             f"results of the first {results['limit']} items -> {output / json_name}; {rest}",
             file=sys.stderr,
         )
+    _note_outcomes(results)
     if not results["complete"]:
         print(
-            "some requests failed; rerun the same command to retry them "
+            f"{results['outcomes']['error']} of {results['num_items']} items failed; rerun the "
+            "same command to retry them "
             f"(details in {pathlib.Path(args.output) / runner.PREDICTIONS_FILE})",
             file=sys.stderr,
         )
+        raise SystemExit(EXIT_INCOMPLETE)
     return results
+
+
+def _interleaving_warnings(args: argparse.Namespace, benchmark: tasks.Benchmark) -> list[str]:
+    """What the results must say about where an endpoint's model saw the images: the probe's
+    finding with --check-interleaving, else that nobody checked (multi-image items only)."""
+    if not args.endpoint:
+        return []  # --local keeps images in place or refuses (interleaving.LocalPrompts)
+    found = None
+    if args.check_interleaving:
+        found = probe.probe_endpoint(
+            args.endpoint, args.model, api_key_env=args.api_key_env, timeout_s=args.timeout
+        )
+        print(f"{interleaving.PROBE_FLAG}: {found.detail}", file=sys.stderr)
+    if benchmark.max_images_per_item() < 2:
+        return []
+    if found is not None and found.keeps_images_in_place:
+        return []
+    if found is not None and found.keeps_images_in_place is False:
+        return [
+            f"{benchmark.name}: items carry up to {benchmark.max_images_per_item()} images "
+            f"between their texts, and {interleaving.PROBE_FLAG} found that {found.detail}; "
+            "the model saw them away from the texts they belong to"
+        ]
+    warning = interleaving.endpoint_warning(benchmark.name, benchmark.max_images_per_item())
+    if found is not None:
+        warning += f" (it could not tell here: {found.detail})"
+    return [warning]
+
+
+def _note_outcomes(results: dict) -> None:
+    """Says on stderr what the scores alone would hide: replies cut short, refused or empty."""
+    counts = results["outcomes"]
+    if counts["truncated"]:
+        print(
+            f"note: {counts['truncated']} replies were cut at the token budget "
+            '(finish_reason "length") and scored as they are; a reasoning model needs a '
+            "larger --max-tokens",
+            file=sys.stderr,
+        )
+    if counts["refused"]:
+        print(f"note: the model refused {counts['refused']} requests", file=sys.stderr)
+    if counts["empty"]:
+        print(
+            f"note: {counts['empty']} replies had no answer text (only reasoning, or nothing)",
+            file=sys.stderr,
+        )
 
 
 def _run_clip(args: argparse.Namespace, benchmark: tasks.Benchmark, progress: bool) -> dict:

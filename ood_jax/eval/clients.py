@@ -1,45 +1,130 @@
 """MLLM clients: an OpenAI-compatible chat-completions endpoint over HTTP, or a local transformers
-model. Both take a `Request` (a prompt with "<image>" placeholders and its images) and return the
-reply text.
+model. Both take a `Request` (a prompt with "<image>" placeholders and its images) and return what
+the model said: the HTTP client a `Reply` (text, finish reason, refusal, reasoning, token usage,
+latency, attempts, the server's model id), a client that knows only the text a plain string.
 
 The HTTP client uses only the standard library. It contacts nothing but the endpoint it is given:
-proxy settings in the environment are ignored and redirects are refused. The API key comes from an
-environment variable; it is sent as a Bearer header and kept out of every message this module
-produces, so it cannot reach a log or a predictions file.
+it speaks http.client directly, so proxy settings in the environment are never read, and a
+redirect is an error. The API key comes from an environment variable; it is sent as a Bearer
+header and kept out of every message this module produces, so it cannot reach a log or a
+predictions file.
+
+Under load (one `RunControl` shared by a run's requests):
+  * concurrency adapts (AIMD): an overload answer (429, 408, 5xx, a timeout) halves the number
+    of requests out, successes raise it by one at a time, never above the run's --concurrency;
+  * each attempt has a deadline (`timeout_s`) from its send to the whole reply, and a timeout
+    does not pile work onto the server: it may still be computing the abandoned request
+    (transformers serve does), so one request at a time goes out until one sent after the
+    timeout comes back;
+  * retries come out of a budget for the whole run (`RetryBudget`), so a broken server costs a
+    few requests, not `max_attempts` per item;
+  * a Retry-After longer than `max_retry_after_s` ends the item's attempts at once, with a
+    message saying so, instead of waiting it out silently;
+  * a reply that is not a chat completion (malformed JSON, empty `choices`) is retried;
+  * `RunControl.abandon()` (Ctrl-C, a run stopped early) ends every wait within POLL_S: slots,
+    backoff, and requests waiting on the server.
+`OpenAIChatClient.check_model` is the preflight: GET {endpoint}/models must list the model.
 """
 
 from __future__ import annotations
 
 import base64
 import dataclasses
+import difflib
 import email.utils
 import hashlib
+import http
 import http.client
 import io
 import json
+import math
 import os
 import random
+import selectors
 import socket
+import ssl
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from ood_jax.prompts import IMAGE_PLACEHOLDER
 
 # HTTP statuses worth another attempt besides 5xx (the ones OpenAI's own client retries):
 # request timeout, conflict, rate limiting.
 RETRYABLE_STATUSES = frozenset({408, 409, 429})
+# Answers that say the server has more work than it can take (with every 5xx and a timeout):
+# they lower the concurrency. A conflict (409) says nothing of load.
+OVERLOAD_STATUSES = frozenset({408, 429})
 DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
+TOKEN_PARAMS = ("max_tokens", "max_completion_tokens")
+# Defaults for the hardest common case, one slow local server that generates one request at a
+# time (transformers serve, llama.cpp without slots): few requests out, so little waits in the
+# server's queue; a deadline a 512-token reply on a CPU meets; few attempts. Servers that batch
+# (vLLM, SGLang) and hosted APIs go faster with a larger --concurrency.
+DEFAULT_CONCURRENCY = 4
+DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_MAX_ATTEMPTS = 3
+DEFAULT_MAX_RETRY_AFTER_S = 60.0
+# The listing is one small GET: a server that takes longer is busy, not missing.
+PREFLIGHT_TIMEOUT_S = 30.0
+# Keys of the request body the client sets from its own options; --extra-body may not hide them
+# (they are part of the run's identity under their own names).
+RESERVED_BODY_KEYS = frozenset({"model", "messages", "stream", "n", "temperature", *TOKEN_PARAMS})
+# How often a waiting request looks at the run's stop flag: Ctrl-C is never held up longer.
+POLL_S = 0.1
 
 
 class ClientError(RuntimeError):
     """A request that failed for good (after retries, or at once for a non-retryable answer).
 
-    The runner records it as the item's failure; it never carries the API key.
+    `kind` classes the failure ("HTTP 500", "timeout", "connection", "malformed reply", ...): the
+    runner stops a run after several items in a row fail with the same kind. `attempts`: how many
+    were made. The runner records it as the item's failure; it never carries the API key.
     """
+
+    def __init__(self, message: str, kind: str = "request", attempts: int = 1):
+        super().__init__(message)
+        self.kind, self.attempts = kind, attempts
+
+
+class Abandoned(ClientError):
+    """The run was stopped (Ctrl-C, or it stopped early) while this request waited."""
+
+    def __init__(self, attempts: int = 0):
+        super().__init__("abandoned: the run was stopped", "abandoned", attempts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reply:
+    """What the server said to one request.
+
+    `text`: the message content ("" when it was null); `finish_reason`: "stop", "length" (cut at
+    the token budget), ...; `refusal`: the refusal text a model gave instead of content;
+    `reasoning`: reasoning the server kept apart from the content (`reasoning_content`);
+    `usage`: prompt/completion/total token counts as reported; `latency_s`: the successful
+    attempt's time from sending to the whole reply; `attempts`: how many were made; `model`: the
+    model id the server reports.
+    """
+
+    text: str
+    finish_reason: str | None = None
+    refusal: str | None = None
+    reasoning: str | None = None
+    usage: dict | None = None
+    latency_s: float | None = None
+    attempts: int = 1
+    model: str | None = None
+
+    @classmethod
+    def of(cls, value: "Reply | str") -> "Reply":
+        """A client's answer as a Reply; a plain string (all a client may know) is its text."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            return cls(value)
+        raise TypeError(f"a client returned {type(value).__name__}, not a str or a Reply")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,29 +194,16 @@ def _redact(text: str, secret: str | None) -> str:
     return text.replace(secret, "***") if secret else text
 
 
-class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
-    """A redirect would send the request, and its key, to an address the user did not give."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        raise urllib.error.HTTPError(
-            req.full_url, code, f"redirect to {newurl} refused", headers, fp
-        )
-
-
-class _Retryable(Exception):
-    def __init__(self, message: str, retry_after: float | None = None):
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
 def _retry_after_seconds(value: str | None) -> float | None:
     """Retry-After as seconds: either a number or an HTTP date."""
     if not value:
         return None
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
         pass
+    else:
+        return max(0.0, seconds) if math.isfinite(seconds) else None
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError):
@@ -139,43 +211,319 @@ def _retry_after_seconds(value: str | None) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
+# ---------------------------------------------------------------------------------------------
+# What a run's requests share: the concurrency limit, the retry budget, the stop flag
+# ---------------------------------------------------------------------------------------------
+
+
+class AdaptiveLimit:
+    """AIMD concurrency: at most `limit` requests out at once, `limit` within [1, maximum].
+
+    An overload answer (429, 408, 5xx, a timeout) halves `limit`, once per round: answers to
+    requests sent before the last cut, which were sent into the same overload, do not cut it
+    again. RAISE_AFTER successes in a row raise it by one. As TCP's congestion control, and as
+    Inspect AI and VLMEvalKit back off on rate limits: a server that serves two requests at a
+    time settles near two, whatever the maximum, and the requests it would only queue are not
+    sent.
+
+    A timeout says more: the server may still be computing the abandoned request (transformers
+    serve does), and whatever is sent next queues behind it and times out in turn. So after a
+    timeout one request at a time goes out, a probe, until a request sent after the timeout
+    comes back: then the server has got past the abandoned work, and `limit` applies again.
+    """
+
+    # Slow to rise, so that a server at its capacity sees one overload per RAISE_AFTER replies
+    # at most, yet a long run climbs back after a bad minute.
+    RAISE_AFTER = 8
+
+    def __init__(self, maximum: int):
+        if maximum < 1:
+            raise ValueError(f"concurrency must be at least 1, got {maximum}")
+        self.maximum = self.limit = maximum
+        self._out = self._successes = self._round = 0
+        # Requests are numbered as they are sent; 0: no timeout waits for a later success.
+        self._sent = self._timed_out = 0
+        self._changed = threading.Condition()
+
+    @property
+    def allowed(self) -> int:
+        """How many requests may be out now: `limit`, or 1 while a timeout is unresolved."""
+        return 1 if self._timed_out else self.limit
+
+    def acquire(self, stop: threading.Event) -> tuple[int, int]:
+        """Waits for a free slot; returns the ticket `release` takes (round, request number)."""
+        with self._changed:
+            while self._out >= self.allowed:
+                if stop.is_set():
+                    raise Abandoned()
+                self._changed.wait(POLL_S)
+            self._out += 1
+            self._sent += 1
+            return self._round, self._sent
+
+    def release(self, ticket: tuple[int, int], outcome: str) -> None:
+        """`outcome`: "success", "overload", "timeout", or "other" (a failure that says nothing
+        of load)."""
+        taken_in, number = ticket
+        with self._changed:
+            self._out -= 1
+            if outcome in ("overload", "timeout"):
+                self._successes = 0
+                if outcome == "timeout":
+                    self._timed_out = max(self._timed_out, number)
+                if taken_in == self._round:
+                    self.limit = max(1, self.limit // 2)
+                    self._round += 1
+            elif outcome == "success":
+                if number > self._timed_out:
+                    self._timed_out = 0
+                self._successes += 1
+                if self._successes >= self.RAISE_AFTER and self.limit < self.maximum:
+                    self.limit += 1
+                    self._successes = 0
+            self._changed.notify_all()
+
+
+class RetryBudget:
+    """The retries a run may make in all, beyond each item's first attempt.
+
+    `total`: a fixed number. None: BASE, plus PER_ITEM for every item asked so far, so that a
+    long run may ride out a server's bad minutes while a server that fails every request costs
+    a few retries, not `max_attempts` per item.
+    """
+
+    BASE = 10
+    PER_ITEM = 0.25
+
+    def __init__(self, total: int | None = None):
+        if total is not None and total < 0:
+            raise ValueError(f"retry budget must be non-negative, got {total}")
+        self.total = total
+        self.spent = 0
+        self._allowed = float(self.BASE if total is None else total)
+        self._lock = threading.Lock()
+
+    def item_started(self) -> None:
+        if self.total is None:
+            with self._lock:
+                self._allowed += self.PER_ITEM
+
+    def take(self) -> bool:
+        """Spends one retry; False when none is left."""
+        with self._lock:
+            if self.spent + 1 > self._allowed:
+                return False
+            self.spent += 1
+            return True
+
+    def describe(self) -> str:
+        if self.total is None:
+            return (
+                f"{self.spent} retries, the default budget of {self.BASE} plus one per "
+                f"{round(1 / self.PER_ITEM)} items asked"
+            )
+        return f"{self.spent} retries, the --retry-budget"
+
+
+class RunControl:
+    """What the requests of one run share: the adaptive concurrency limit (none when
+    `concurrency` is None), the retry budget and the stop flag that `abandon` sets."""
+
+    def __init__(self, concurrency: int | None = None, retry_budget: int | None = None):
+        self.limit = AdaptiveLimit(concurrency) if concurrency is not None else None
+        self.budget = RetryBudget(retry_budget)
+        self.stop = threading.Event()
+
+    def abandon(self) -> None:
+        """Every request of the run gives up at its next wait (within POLL_S)."""
+        self.stop.set()
+
+    def acquire(self) -> tuple[int, int]:
+        if self.stop.is_set():
+            raise Abandoned()
+        return self.limit.acquire(self.stop) if self.limit is not None else (0, 0)
+
+    def release(self, ticket: tuple[int, int], outcome: str) -> None:
+        if self.limit is not None:
+            self.limit.release(ticket, outcome)
+
+    def wait(self, seconds: float) -> None:
+        if self.stop.wait(seconds):
+            raise Abandoned()
+
+
+# ---------------------------------------------------------------------------------------------
+# The OpenAI-compatible HTTP client
+# ---------------------------------------------------------------------------------------------
+
+
+class _Failure(Exception):
+    """One attempt's failure: its class, and whether another attempt may help."""
+
+    def __init__(
+        self,
+        message: str,
+        kind: str,
+        retryable: bool,
+        overload: bool = False,
+        retry_after: float | None = None,
+    ):
+        super().__init__(message)
+        self.kind, self.retryable, self.overload = kind, retryable, overload
+        self.retry_after = retry_after
+
+    @property
+    def load(self) -> str:
+        """What the failure says of the server's load (AdaptiveLimit.release's outcome)."""
+        if self.kind == "timeout":
+            return "timeout"
+        return "overload" if self.overload else "other"
+
+
+def _await_answer(sock: socket.socket, deadline: float, stop: threading.Event) -> None:
+    """Returns once the server starts to answer on `sock`. Most of a request's time is spent
+    here, while the server queues and generates; looking at `stop` every POLL_S is what lets
+    Ctrl-C abandon a request without waiting for the server."""
+    with selectors.DefaultSelector() as selector:
+        selector.register(sock, selectors.EVENT_READ)
+        while True:
+            if stop.is_set():
+                raise Abandoned()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("deadline passed")
+            if selector.select(min(left, POLL_S)):
+                return
+
+
+def _text_of(content: Any) -> str | None:
+    """A message's content as text (None: not a content a chat completion has)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # some servers answer with content parts
+        return "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+    return None
+
+
+def _optional_text(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _usage(usage: Any) -> dict | None:
+    """The token counts of a reply's `usage`, those that are integers."""
+    if not isinstance(usage, dict):
+        return None
+    out = {
+        k: usage[k]
+        for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+        if isinstance(usage.get(k), int)
+    }
+    details = usage.get("completion_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("reasoning_tokens"), int):
+        out["reasoning_tokens"] = details["reasoning_tokens"]
+    return out or None
+
+
+def _model_ids(raw: bytes) -> list[str] | None:
+    """The ids of a GET /models answer ({"data": [{"id": ...}]}); None: not such an answer."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    listed = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(listed, list):
+        return None
+    return [m["id"] for m in listed if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+
+def check_extra_body(extra_body: Any) -> dict:
+    """--extra-body as merged into each request: a JSON object that leaves the client's own
+    keys alone (they are options of their own, and part of the run's identity)."""
+    if not isinstance(extra_body, dict):
+        raise ValueError(f"--extra-body must be a JSON object, got {type(extra_body).__name__}")
+    reserved = sorted(RESERVED_BODY_KEYS & extra_body.keys())
+    if reserved:
+        raise ValueError(
+            f"--extra-body may not set {', '.join(reserved)}: the client sets them "
+            "(--model, --max-tokens, --token-param, --temperature)"
+        )
+    return extra_body
+
+
 @dataclasses.dataclass
 class OpenAIChatClient:
-    """POST {endpoint}/chat/completions with temperature 0, one user turn per request.
+    """POST {endpoint}/chat/completions, one user turn per request; returns a `Reply`.
 
     Images are base64 data URLs in `image_url` parts, interleaved with the text at the prompt's
-    placeholders. A 408/409/429 or 5xx answer, a refused or dropped connection and a timeout are
-    retried up to `max_attempts` in all, waiting an exponential backoff with jitter, or the
-    server's Retry-After when that is longer; any other answer fails at once. Thread-safe:
-    the runner calls `generate` from `concurrency` threads.
+    placeholders. The body has `temperature` (omitted when None), the budget under
+    `token_param` (max_tokens, or max_completion_tokens for o-series style models) and
+    `extra_body` merged in. `timeout_s` bounds each attempt, from sending to the whole reply.
+    A 408/409/429 or 5xx answer, a timeout, a dropped connection and a reply that is no chat
+    completion are retried, up to `max_attempts` in all and while the run's retry budget lasts,
+    waiting an exponential backoff with jitter, or the server's Retry-After when that is longer
+    (and at most `max_retry_after_s`); any other answer ends the item at once. Thread-safe: the
+    runner calls `generate` from several threads with one `RunControl`.
     """
+
+    # The runner hands `generate` the run's RunControl.
+    accepts_run_control: ClassVar[bool] = True
 
     endpoint: str
     model: str
     max_tokens: int = 16
     api_key_env: str = DEFAULT_API_KEY_ENV
-    timeout_s: float = 120.0
-    max_attempts: int = 6
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
     backoff_base_s: float = 1.0
     backoff_cap_s: float = 60.0
-    # Injected in tests so that backoff is observed rather than waited for.
-    sleep: Callable[[float], None] = time.sleep
+    max_retry_after_s: float = DEFAULT_MAX_RETRY_AFTER_S
+    token_param: str = "max_tokens"
+    temperature: float | None = 0
+    extra_body: dict | None = None
+    # Injected in tests so that backoff is observed rather than waited for; None waits on the
+    # run's stop flag, so that Ctrl-C ends a backoff at once.
+    sleep: Callable[[float], None] | None = None
     seed: int | None = None
 
     def __post_init__(self):
-        if not self.endpoint.startswith(("http://", "https://")):
+        parts = urllib.parse.urlsplit(self.endpoint)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"endpoint must be an http(s) URL, got {self.endpoint!r}")
-        if self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        try:
+            self._port = parts.port
+        except ValueError:
+            raise ValueError(f"endpoint {self.endpoint!r}: bad port") from None
+        for name, value, least in (
+            ("max_attempts", self.max_attempts, 1),
+            ("max_tokens", self.max_tokens, 1),
+        ):
+            if value < least:
+                raise ValueError(f"{name} must be at least {least}, got {value}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if not self.max_retry_after_s >= 0:
+            raise ValueError(
+                f"max_retry_after_s must be non-negative, got {self.max_retry_after_s}"
+            )
+        if self.token_param not in TOKEN_PARAMS:
+            raise ValueError(f"token_param must be one of {TOKEN_PARAMS}, got {self.token_param!r}")
+        if self.temperature is not None and not (
+            math.isfinite(self.temperature) and self.temperature >= 0
+        ):
+            raise ValueError(f"temperature must be a non-negative number, got {self.temperature}")
+        self.extra_body = check_extra_body(self.extra_body if self.extra_body is not None else {})
+        self._tls = ssl.create_default_context() if parts.scheme == "https" else None
+        self._host = parts.hostname
+        self._base_path = parts.path.rstrip("/")
         self.url = self.endpoint.rstrip("/") + "/chat/completions"
         self._api_key = os.environ.get(self.api_key_env) or None
-        self._opener = urllib.request.build_opener(
-            urllib.request.ProxyHandler({}), _RefuseRedirects()
-        )
         self._rng = random.Random(self.seed)
         self._rng_lock = threading.Lock()
+        # Calls made without a run's control share this one: no concurrency limit of its own
+        # (the caller's threads are the limit), the default retry budget.
+        self._standalone = RunControl()
 
     @property
     def has_api_key(self) -> bool:
@@ -183,7 +531,14 @@ class OpenAIChatClient:
 
     def identity(self) -> dict:
         """What makes two runs' replies comparable (never the key; the endpoint may move)."""
-        return {"client": "openai", "model": self.model, "max_tokens": self.max_tokens}
+        return {
+            "client": "openai",
+            "model": self.model,
+            "max_tokens": self.max_tokens,
+            "token_param": self.token_param,
+            "temperature": self.temperature,
+            "extra_body": self.extra_body,
+        }
 
     def payload(self, request: Request) -> dict:
         content = [
@@ -192,25 +547,71 @@ class OpenAIChatClient:
             else {"type": "image_url", "image_url": {"url": part.data_url()}}
             for part in request.segments()
         ]
-        return {
+        body: dict[str, Any] = {
             "model": self.model,
             "messages": [{"role": "user", "content": content}],
-            "temperature": 0,
-            "max_tokens": self.max_tokens,
         }
+        if self.temperature is not None:
+            body["temperature"] = self.temperature
+        body[self.token_param] = self.max_tokens
+        return {**body, **self.extra_body}
 
-    def generate(self, request: Request) -> str:
+    # --- a request -----------------------------------------------------------------------------
+
+    def generate(self, request: Request, control: RunControl | None = None) -> Reply:
+        control = control or self._standalone
         body = json.dumps(self.payload(request)).encode()
-        last = "no attempt made"
+        control.budget.item_started()
         for attempt in range(1, self.max_attempts + 1):
+            ticket = control.acquire()
+            # The deadline starts once a slot is taken: waiting for one is not the server's time.
+            started, outcome = time.monotonic(), "other"
             try:
-                return self._post(body)
-            except _Retryable as e:
-                last = str(e)
-                if attempt == self.max_attempts:
-                    break
-                self.sleep(self._delay(attempt, e.retry_after))
-        raise ClientError(f"gave up after {self.max_attempts} attempts; last error: {last}")
+                reply = self._attempt(body, started + self.timeout_s, control.stop)
+                outcome = "success"
+            except _Failure as failure:
+                outcome = failure.load
+                last = failure
+            except Abandoned:
+                raise Abandoned(attempt) from None
+            finally:
+                control.release(ticket, outcome)
+            if outcome == "success":
+                latency = round(time.monotonic() - started, 3)
+                return dataclasses.replace(reply, latency_s=latency, attempts=attempt)
+            self._wait_to_retry(last, attempt, control)
+        raise AssertionError("unreachable: the last attempt's failure raises")
+
+    def _wait_to_retry(self, failure: _Failure, attempt: int, control: RunControl) -> None:
+        """Waits before the next attempt, or raises the ClientError that ends the item."""
+
+        def give_up(why: str = "") -> ClientError:
+            if attempt == 1 and not why:
+                return ClientError(str(failure), failure.kind, attempt)
+            attempts = f"{attempt} attempt{'s' if attempt > 1 else ''}"
+            return ClientError(
+                f"gave up after {attempts}{why}; last error: {failure}", failure.kind, attempt
+            )
+
+        if not failure.retryable:
+            raise give_up()
+        if failure.retry_after is not None and failure.retry_after > self.max_retry_after_s:
+            raise ClientError(
+                f"{failure}; the server asks to wait {failure.retry_after:g} s before a retry "
+                f"(Retry-After), more than the {self.max_retry_after_s:g} s cap "
+                "(--max-retry-after): not retried in this run",
+                failure.kind,
+                attempt,
+            )
+        if attempt == self.max_attempts:
+            raise give_up()
+        delay = self._delay(attempt, failure.retry_after)
+        if not control.budget.take():
+            raise give_up(f": the run's retry budget is spent ({control.budget.describe()})")
+        if self.sleep is not None:
+            self.sleep(delay)
+        else:
+            control.wait(delay)
 
     def _delay(self, attempt: int, retry_after: float | None) -> float:
         ceiling = min(self.backoff_cap_s, self.backoff_base_s * 2 ** (attempt - 1))
@@ -219,43 +620,187 @@ class OpenAIChatClient:
             backoff = ceiling / 2 + self._rng.uniform(0, ceiling / 2)
         return backoff if retry_after is None else max(backoff, retry_after)
 
-    def _post(self, body: bytes) -> str:
-        headers = {"Content-Type": "application/json", "Accept": "application/json"}
-        if self._api_key:
-            headers["Authorization"] = f"Bearer {self._api_key}"
-        request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+    def _attempt(self, body: bytes, deadline: float, stop: threading.Event) -> Reply:
         try:
-            with self._opener.open(request, timeout=self.timeout_s) as response:
-                raw = response.read()
-        except urllib.error.HTTPError as e:
-            detail = _redact(e.read()[:300].decode("utf-8", "replace"), self._api_key)
-            message = f"HTTP {e.code} from {self.url}: {detail or e.reason}"
-            if e.code in RETRYABLE_STATUSES or e.code >= 500:
-                retry_after = _retry_after_seconds(e.headers.get("Retry-After"))
-                raise _Retryable(message, retry_after) from None
-            raise ClientError(message) from None
-        except urllib.error.URLError as e:
-            raise _Retryable(f"cannot reach {self.url}: {e.reason}") from None
-        except (TimeoutError, socket.timeout) as e:
-            raise _Retryable(f"timed out after {self.timeout_s} s: {e}") from None
-        except (ConnectionError, http.client.HTTPException) as e:
-            raise _Retryable(f"connection to {self.url} failed: {e!r}") from None
-        return self._reply_text(raw)
+            status, headers, raw = self._exchange("POST", "/chat/completions", body, deadline, stop)
+        except TimeoutError:
+            # Retried, but the run's AdaptiveLimit sends one probe at a time until the server
+            # shows it got past this request, which it may still be computing.
+            raise _Failure(
+                f"no reply from {self.url} within {self.timeout_s:g} s",
+                "timeout",
+                retryable=True,
+                overload=True,
+            ) from None
+        except ssl.SSLError as e:
+            raise _Failure(f"TLS with {self.url} failed: {e}", "TLS", retryable=False) from None
+        except (ConnectionRefusedError, socket.gaierror) as e:
+            raise _Failure(f"cannot reach {self.url}: {e}", "connection", retryable=True) from None
+        except (OSError, http.client.HTTPException) as e:
+            raise _Failure(
+                f"connection to {self.url} failed: {e!r}", "connection", retryable=True
+            ) from None
+        if 300 <= status < 400:
+            where = headers.get("Location", "elsewhere")
+            raise _Failure(
+                f"HTTP {status} from {self.url}: redirect to {where} refused",
+                f"HTTP {status}",
+                retryable=False,
+            )
+        if status >= 400:
+            detail = _redact(raw[:300].decode("utf-8", "replace"), self._api_key)
+            raise _Failure(
+                f"HTTP {status} from {self.url}: {detail or _reason(status)}",
+                f"HTTP {status}",
+                retryable=status in RETRYABLE_STATUSES or status >= 500,
+                overload=status in OVERLOAD_STATUSES or status >= 500,
+                retry_after=_retry_after_seconds(headers.get("Retry-After")),
+            )
+        return self._read_reply(raw)
 
-    def _reply_text(self, raw: bytes) -> str:
+    def _read_reply(self, raw: bytes) -> Reply:
         try:
             data = json.loads(raw)
-            content = data["choices"][0]["message"]["content"]
+            choice = data["choices"][0]
+            message = choice["message"]
+            text = _text_of(message["content"] if "content" in message else None)
         except (ValueError, KeyError, IndexError, TypeError):
+            text = data = None
+        if text is None:
             preview = _redact(raw[:300].decode("utf-8", "replace"), self._api_key)
-            raise ClientError(f"{self.url} sent no chat completion: {preview!r}") from None
-        if content is None:
-            return ""
-        if isinstance(content, list):  # some servers answer with content parts
-            return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        if not isinstance(content, str):
-            raise ClientError(f"{self.url}: message content is {type(content).__name__}")
-        return content
+            raise _Failure(
+                f"{self.url} sent no chat completion: {preview!r}",
+                "malformed reply",
+                retryable=True,
+            )
+        return Reply(
+            text,
+            finish_reason=_optional_text(choice.get("finish_reason")),
+            refusal=_optional_text(message.get("refusal")),
+            reasoning=_optional_text(message.get("reasoning_content"))
+            or _optional_text(message.get("reasoning")),
+            usage=_usage(data.get("usage")),
+            model=_optional_text(data.get("model")),
+        )
+
+    def _exchange(
+        self, method: str, path: str, body: bytes | None, deadline: float, stop: threading.Event
+    ) -> tuple[int, http.client.HTTPMessage, bytes]:
+        """One request over a fresh connection: (status, headers, body). Raises TimeoutError
+        at `deadline`, Abandoned once `stop` is set, OSError or HTTPException otherwise."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline passed")
+        if self._tls is not None:
+            connection = http.client.HTTPSConnection(
+                self._host, self._port, timeout=left, context=self._tls
+            )
+        else:
+            connection = http.client.HTTPConnection(self._host, self._port, timeout=left)
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        if self._api_key:
+            headers["Authorization"] = f"Bearer {self._api_key}"
+        try:
+            connection.request(method, self._base_path + path, body=body, headers=headers)
+            _await_answer(connection.sock, deadline, stop)
+            connection.sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+            response = connection.getresponse()
+            return response.status, response.headers, response.read()
+        finally:
+            connection.close()
+
+    def post_json(self, path: str, body: dict) -> tuple[int, Any]:
+        """One POST of `body` to {endpoint}{path}, not retried: (HTTP status, the decoded JSON
+        or None). Raises ClientError when the server cannot be reached or does not answer
+        within `timeout_s`. For requests besides chat completions (the interleaving probe)."""
+        url = self.endpoint.rstrip("/") + path
+        try:
+            status, _, raw = self._exchange(
+                "POST",
+                path,
+                json.dumps(body).encode(),
+                time.monotonic() + self.timeout_s,
+                threading.Event(),
+            )
+        except TimeoutError:
+            raise ClientError(
+                f"no reply from {url} within {self.timeout_s:g} s", "timeout"
+            ) from None
+        except (OSError, http.client.HTTPException) as e:
+            raise ClientError(f"cannot reach {url}: {e}", "connection") from None
+        try:
+            return status, json.loads(raw)
+        except ValueError:
+            return status, None
+
+    # --- the preflight -------------------------------------------------------------------------
+
+    def check_model(self) -> str | None:
+        """GET {endpoint}/models before a run: the model must be listed.
+
+        Raises ClientError when the server cannot be reached, refuses the key, or lists models
+        without this one (the message names the listed ones and the closest). Returns a note
+        when the server cannot tell (no such route, an empty or odd list), None when listed.
+        """
+        url = self.endpoint.rstrip("/") + "/models"
+        limit = min(self.timeout_s, PREFLIGHT_TIMEOUT_S)
+        unchecked = f"the model name {self.model!r} is not checked"
+        try:
+            status, _, raw = self._exchange(
+                "GET", "/models", None, time.monotonic() + limit, threading.Event()
+            )
+        except TimeoutError:
+            return f"{url} did not answer within {limit:g} s; {unchecked}"
+        except ssl.SSLError as e:
+            raise ClientError(f"TLS with {url} failed: {e}", "TLS") from None
+        except (OSError, http.client.HTTPException) as e:
+            raise ClientError(
+                f"cannot reach {url}: {e}; is the server running, and is --endpoint its "
+                "base URL (such as http://127.0.0.1:8000/v1)?",
+                "connection",
+            ) from None
+        if status in (401, 403):
+            raise ClientError(
+                f"HTTP {status} from {url}: the server refuses the API key "
+                f"{'in $' + self.api_key_env if self._api_key else '(none sent)'}; "
+                "see --api-key-env",
+                f"HTTP {status}",
+            )
+        if status in (404, 405, 501):
+            return f"{url} answers HTTP {status}: the server lists no models; {unchecked}"
+        if status != 200:
+            return f"{url} answers HTTP {status}; {unchecked}"
+        ids = _model_ids(raw)
+        if ids is None:
+            return f"{url} sent no model list; {unchecked}"
+        if not ids:
+            return f"{url} lists no models; {unchecked}"
+        # Ollama lists "llava:latest" and serves it as "llava".
+        if self.model in ids or f"{self.model}:latest" in ids:
+            return None
+        raise ClientError(self._not_listed(ids), "model not listed")
+
+    def _not_listed(self, ids: list[str]) -> str:
+        by_lower = {i.lower(): i for i in ids}
+        close = difflib.get_close_matches(self.model.lower(), list(by_lower), n=1, cutoff=0.5)
+        hint = f" (did you mean {by_lower[close[0]]!r}?)" if close else ""
+        shown = ", ".join(repr(i) for i in ids[:20])
+        more = f" and {len(ids) - 20} more" if len(ids) > 20 else ""
+        return (
+            f"model {self.model!r} is not served by {self.endpoint}{hint}; it lists {shown}{more} "
+            "(--model must be one of them; a server that loads models on demand, as "
+            "transformers serve does a local path, may list a model only once it is loaded: "
+            "--no-model-check skips this check)"
+        )
+
+
+def _reason(status: int) -> str:
+    try:
+        return http.HTTPStatus(status).phrase
+    except ValueError:
+        return "no detail"
 
 
 class TransformersClient:
@@ -263,14 +808,22 @@ class TransformersClient:
 
     `path` is a directory saved with save_pretrained holding the model and its processor
     (tokenizer, image processor, chat template). Images go to the processor in placeholder
-    order, each at its place in the user turn. Not thread-safe: the runner calls it from one
-    thread (the model already uses every core).
+    order, and the model reads each where the prompt puts it: where the chat template would
+    move images ahead of the text (LLaVA-1.5's does), a turn with an image after text is
+    rendered with the model's image token at each placeholder instead, or refused with a message
+    naming the model and `task` (ood_jax.eval.interleaving.LocalPrompts). Not thread-safe: the
+    runner calls it from one thread (the model already uses every core).
     """
 
     concurrency_limit = 1
 
     def __init__(
-        self, path: str, max_new_tokens: int = 10, device: str | None = None, dtype: str = "auto"
+        self,
+        path: str,
+        max_new_tokens: int = 10,
+        device: str | None = None,
+        dtype: str = "auto",
+        task: str | None = None,
     ):
         try:
             import torch
@@ -288,6 +841,11 @@ class TransformersClient:
         else:
             torch_dtype = getattr(torch, dtype)
         self.processor = transformers.AutoProcessor.from_pretrained(path, local_files_only=True)
+        # Imported here, as torch and transformers are: only the local client needs it.
+        from ood_jax.eval import interleaving
+
+        # Before the weights load: a template that cannot be used fails at once.
+        self.prompts = interleaving.LocalPrompts(self.processor, path, task)
         self.model = transformers.AutoModelForImageTextToText.from_pretrained(
             path, local_files_only=True, dtype=torch_dtype
         ).to(self.device)
@@ -298,30 +856,40 @@ class TransformersClient:
             "client": "transformers",
             "model": os.path.abspath(self.path),
             "max_new_tokens": self.max_new_tokens,
+            **self.prompts.identity(),
         }
 
     def inputs(self, request: Request):
-        """The processor's tensors for `request` (the chat template applied to one user turn)."""
-        content, images = [], []
-        for part in request.segments():
-            if isinstance(part, str):
-                content.append({"type": "text", "text": part})
-            else:
-                content.append({"type": "image"})
-                images.append(part.to_pil())
-        messages = [{"role": "user", "content": content}]
-        text = self.processor.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
+        """The processor's tensors for `request`: one user turn, its images in place."""
+        text = self.prompts.render(request)
+        images = [image.to_pil() for image in request.images]
         inputs = self.processor(text=text, images=images or None, return_tensors="pt")
         # Only floating tensors (pixel values) take the model's dtype; token ids stay integers.
         return inputs.to(self.device).to(self.model.dtype)
 
-    def generate(self, request: Request) -> str:
+    def generate(self, request: Request) -> Reply:
+        started = time.monotonic()
         inputs = self.inputs(request)
         with self._torch.inference_mode():
             output = self.model.generate(
                 **inputs, do_sample=False, num_beams=1, max_new_tokens=self.max_new_tokens
             )
-        new_tokens = output[:, inputs["input_ids"].shape[1] :]
-        return self.processor.batch_decode(new_tokens, skip_special_tokens=True)[0].strip()
+        prompt_tokens = int(inputs["input_ids"].shape[1])
+        new_tokens = output[:, prompt_tokens:]
+        completion_tokens = int(new_tokens.shape[1])
+        # Cut at the budget unless the last token ended the reply, as a server's "length" says.
+        eos = self.model.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        truncated = completion_tokens == self.max_new_tokens and int(output[0, -1]) not in eos
+        return Reply(
+            self.processor.batch_decode(new_tokens, skip_special_tokens=True)[0].strip(),
+            finish_reason="length" if truncated else "stop",
+            usage={
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+            latency_s=round(time.monotonic() - started, 3),
+            attempts=1,
+            model=os.path.abspath(self.path),
+        )

@@ -4,6 +4,9 @@
 letter, any case), kept to reproduce its numbers: it reads "Bengal" as B. "strict" takes a letter
 only where it stands as a token of its own, so free text that merely starts with a letter is no
 answer, and a reply naming two different letters is ambiguous. Both return None for no answer.
+
+`split_think` takes a reasoning model's `<think>...</think>` text out of a reply before any of
+the parsers read it.
 """
 
 from __future__ import annotations
@@ -15,6 +18,41 @@ from collections.abc import Sequence
 from ood_jax.prompts import MAPPING_COLORS
 
 _LETTERS = string.ascii_uppercase
+
+_THINK_OPEN = re.compile(r"<think>", re.IGNORECASE)
+_THINK_CLOSE = re.compile(r"</think>", re.IGNORECASE)
+
+
+def split_think(text: str) -> tuple[str, str | None]:
+    """(answer, reasoning): a reply with its `<think>` blocks taken out, and their text.
+
+    Reads three shapes reasoning models produce: closed `<think>...</think>` blocks; a
+    `</think>` with no opening tag (the chat template opened the block, as Qwen3's and
+    DeepSeek-R1's do), whose text before it is reasoning; and a `<think>` never closed (the
+    token budget ran out while thinking), whose text after it is reasoning, leaving no answer.
+    A reply without any tag comes back unchanged, with reasoning None.
+    """
+    thoughts, rest = [], text
+    first_close, first_open = _THINK_CLOSE.search(rest), _THINK_OPEN.search(rest)
+    if first_close is not None and (first_open is None or first_close.start() < first_open.start()):
+        thoughts.append(rest[: first_close.start()])
+        rest = rest[first_close.end() :]
+    answer = []
+    while (opened := _THINK_OPEN.search(rest)) is not None:
+        answer.append(rest[: opened.start()])
+        closed = _THINK_CLOSE.search(rest, opened.end())
+        if closed is None:
+            thoughts.append(rest[opened.end() :])
+            rest = ""
+            break
+        thoughts.append(rest[opened.end() : closed.start()])
+        rest = rest[closed.end() :]
+    if not thoughts:
+        return text, None
+    answer.append(rest)
+    reasoning = "\n\n".join(t.strip() for t in thoughts if t.strip())
+    return "".join(answer).strip(), reasoning or None
+
 
 # Strict mode: the places where a letter counts as an answer; the letter is a pattern's one group
 # that matched.

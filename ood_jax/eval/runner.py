@@ -1,14 +1,26 @@
 """The resumable evaluation loop: items -> client -> DIR/predictions.jsonl -> DIR/results.{json,md}.
 
 DIR/predictions.jsonl holds one JSON line per answered item: id, digest (SHA-256 of the prompt
-and images), reply, parsed answer, correct, error (null unless the request failed) and the item's
-meta. Lines are appended and flushed as replies arrive, so a killed run keeps every reply it
+and images), outcome, reply (the answer text, `<think>` blocks taken out unless strip_think is
+off), parsed answer, correct, error and error_kind (null unless the request failed), reasoning
+(the server's reasoning_content and any `<think>` text), finish_reason, refusal, usage
+(prompt/completion/total tokens as the server reported them), latency_s, attempts, model (the
+id the server reported) and the item's meta. The outcome is one of OUTCOMES:
+  answered   a reply with answer text;
+  truncated  cut at the token budget (finish_reason "length"), scored as it is;
+  refused    the model refused (a `refusal`, or finish_reason "content_filter");
+  empty      no answer text: content null or "" (perhaps with reasoning only), or only <think>;
+  error      the request failed (the error says why); the next run sends it again.
+results.json counts them under "outcomes", with the token usage summed; results.md ends with
+the same counts.
+
+Lines are appended and flushed as replies arrive, so a killed run keeps every reply it
 received; Ctrl-C ends with one line saying how many replies the file keeps. A rerun into the
 same DIR:
   * drops a torn last line (a kill in the middle of a write) and sends that item again;
   * sends only items without a reply: answered items are skipped, failed ones retried;
-  * refuses to mix: an item whose digest changed, or a run with another benchmark, model or
-    generation budget (DIR/run.json), is an error naming what differs.
+  * refuses to mix: an item whose digest changed, or a run with another benchmark, model,
+    generation budget or request option (DIR/run.json), is an error naming what differs.
 When every item of the run has been handled the file is rewritten (atomically) with one line per
 item, the run's items first; records of items outside the run (beyond a --limit) are kept.
 
@@ -21,28 +33,60 @@ limited one, has a reply without a request error; it says nothing of items past 
 later run without a limit sends only what the limited runs left unanswered and writes
 results.json.
 
+A run stops early (RunStopped, no results written, every reply kept) when
+`max_consecutive_failures` items in a row fail with the same kind of error: a server that
+fails every request is not asked every item. Requests go out from daemon threads, so Ctrl-C
+never waits for a request still out; a client that takes a RunControl (the HTTP client) also
+abandons its waits, adapts its concurrency and spends one retry budget across the run
+(ood_jax.eval.clients).
+
+`ood-jax eval-mllm` (ood_jax.eval.cli) exits 0 when the run is complete with no failed item,
+3 (EXIT_INCOMPLETE) when it finished with failed items, 4 (EXIT_STOPPED) when it stopped early,
+130 on Ctrl-C, and 1 on a usage or data error (one "error:" line).
+
 The items and their scoring come from a Benchmark (ood_jax.eval.tasks.base; the tasks are in
 ood_jax.eval.tasks), the replies from a client of ood_jax.eval.clients.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import math
 import pathlib
+import queue
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 from ood_jax import files
+from ood_jax.eval import parsing
+from ood_jax.eval.clients import (
+    DEFAULT_CONCURRENCY,
+    Abandoned,
+    ClientError,
+    Reply,
+    Request,
+    RunControl,
+)
 from ood_jax.eval.tasks.base import Benchmark, Item
-from ood_jax.eval.clients import ClientError, Request
 
 PREDICTIONS_FILE = "predictions.jsonl"
 RUN_FILE = "run.json"
 RESULTS_JSON = "results.json"
 RESULTS_MD = "results.md"
+OUTCOMES = ("answered", "truncated", "refused", "empty", "error")
+# Enough to tell a server that fails every request from one that fails now and then, few
+# enough that a misspelled model costs seconds.
+DEFAULT_MAX_CONSECUTIVE_FAILURES = 5
+# Identity keys added after run directories were first written, with the value every older run
+# had: an older DIR/run.json without them still matches a run that uses those values.
+LEGACY_IDENTITY = {
+    "token_param": "max_tokens",
+    "temperature": 0,
+    "extra_body": {},
+    "strip_think": False,
+}
 
 
 def results_files(limit: int | None = None) -> tuple[str, str]:
@@ -57,10 +101,24 @@ class RunError(ValueError):
     """An output directory or item set that a run cannot continue with."""
 
 
+class RunStopped(RuntimeError):
+    """Items in a row failed with the same kind of error, so the run stopped; every reply
+    received is kept. `kind`: that kind ("HTTP 500", "timeout", ...); `error`: the last one's
+    message; `kept`: the replies the predictions file holds."""
+
+    def __init__(self, message: str, kind: str, error: str, kept: int):
+        super().__init__(message)
+        self.kind, self.error, self.kept = kind, error, kept
+
+
 class Client(Protocol):
+    """What the runner asks: `generate` returns a clients.Reply or the reply text, and raises
+    clients.ClientError for a request that failed. A client with `accepts_run_control` true
+    takes the run's RunControl as `generate(request, control)`."""
+
     def identity(self) -> dict: ...
 
-    def generate(self, request: Request) -> str: ...
+    def generate(self, request: Request) -> Reply | str: ...
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,7 +180,8 @@ class PredictionStore:
     def compact(self, order: Sequence[str]) -> None:
         """Rewrites the file with one line per id: `order` first, then any other ids kept."""
         self.close()
-        ids = list(order) + [i for i in self.records if i not in set(order)]
+        in_order = set(order)
+        ids = list(order) + [i for i in self.records if i not in in_order]
         text = "".join(json.dumps(self.records[i]) + "\n" for i in ids if i in self.records)
         files.write_atomic(self.path, text)
 
@@ -134,6 +193,12 @@ def _check_run_file(directory: pathlib.Path, identity: dict) -> None:
             previous = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise RunError(f"{path}: malformed JSON ({e.msg})") from None
+        if not isinstance(previous, dict):
+            raise RunError(f"{path}: not a JSON object")
+        previous = {
+            **{k: v for k, v in LEGACY_IDENTITY.items() if k in identity},
+            **previous,
+        }
         differs = sorted(
             k for k in identity.keys() | previous.keys() if identity.get(k) != previous.get(k)
         )
@@ -188,6 +253,93 @@ def _json_safe(value: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
+# Records and their outcomes
+# ---------------------------------------------------------------------------------------------
+
+
+def _outcome(answer: str, reply: Reply) -> str:
+    if reply.refusal or reply.finish_reason == "content_filter":
+        return "refused"
+    # Before "empty": a reasoning model that spent the whole budget thinking needs more tokens.
+    if reply.finish_reason == "length":
+        return "truncated"
+    if not answer.strip():
+        return "empty"
+    return "answered"
+
+
+def outcome_of(record: dict) -> str:
+    """A record's outcome; records written before outcomes were kept get theirs from the reply."""
+    if record.get("outcome") in OUTCOMES:
+        return record["outcome"]
+    if record["error"] is not None:
+        return "error"
+    return "answered" if (record.get("reply") or "").strip() else "empty"
+
+
+def _usage_total(records: Sequence[dict]) -> dict:
+    total: dict[str, int] = {}
+    for record in records:
+        for key, value in (record.get("usage") or {}).items():
+            total[key] = total.get(key, 0) + value
+    return total
+
+
+def outcome_summary(records: Sequence[dict]) -> dict:
+    """{"outcomes": count per OUTCOMES, "usage": token counts summed (absent when none)}."""
+    counts = dict.fromkeys(OUTCOMES, 0)
+    for record in records:
+        counts[outcome_of(record)] += 1
+    usage = _usage_total(records)
+    return {"outcomes": counts, **({"usage": usage} if usage else {})}
+
+
+def summary_markdown(results: dict) -> str:
+    """The line results.md ends with: the outcomes, and the tokens when the server said."""
+    counts = results["outcomes"]
+    line = (
+        f"Replies: {counts['answered']} answered, {counts['truncated']} truncated at the token "
+        f'budget (finish_reason "length"), {counts["refused"]} refused, {counts["empty"]} with no '
+        f"answer text, {counts['error']} failed requests."
+    )
+    usage = results.get("usage", {})
+    if "prompt_tokens" in usage and "completion_tokens" in usage:
+        line += (
+            f" Tokens: {usage['prompt_tokens']} prompt, {usage['completion_tokens']} completion."
+        )
+    return line
+
+
+def _record(
+    benchmark: Benchmark,
+    item: Item,
+    reply: Reply | None,
+    error: ClientError | None,
+    strip_think: bool,
+) -> dict:
+    record: dict[str, Any] = {"id": item.id, "digest": item.digest}
+    if reply is None:
+        parsed, correct = benchmark.unanswered(item.meta)
+        record.update(
+            outcome="error", reply=None, parsed=parsed, correct=correct, error=str(error),
+            error_kind=error.kind, reasoning=None, finish_reason=None, refusal=None, usage=None,
+            latency_s=None, attempts=error.attempts, model=None,
+        )  # fmt: skip
+    else:
+        answer, thought = parsing.split_think(reply.text) if strip_think else (reply.text, None)
+        parsed, correct = benchmark.score(item.meta, answer)
+        reasoning = "\n\n".join(r for r in (reply.reasoning, thought) if r) or None
+        record.update(
+            outcome=_outcome(answer, reply), reply=answer, parsed=parsed, correct=correct,
+            error=None, error_kind=None, reasoning=reasoning, finish_reason=reply.finish_reason,
+            refusal=reply.refusal, usage=reply.usage, latency_s=reply.latency_s,
+            attempts=reply.attempts, model=reply.model,
+        )  # fmt: skip
+    record["meta"] = item.meta
+    return record
+
+
+# ---------------------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------------------
 
@@ -211,22 +363,6 @@ def _check_digests(benchmark: Benchmark, store: PredictionStore, limit: int | No
             )
 
 
-def _record(benchmark: Benchmark, item: Item, reply: str | None, error: str | None) -> dict:
-    if reply is None:
-        parsed, correct = benchmark.unanswered(item.meta)
-    else:
-        parsed, correct = benchmark.score(item.meta, reply)
-    return {
-        "id": item.id,
-        "digest": item.digest,
-        "reply": reply,
-        "parsed": parsed,
-        "correct": correct,
-        "error": error,
-        "meta": item.meta,
-    }
-
-
 class _Session:
     """What a run shares between its answering loop and its ending: store, ids, progress."""
 
@@ -237,10 +373,13 @@ class _Session:
         output: str | pathlib.Path,
         limit: int | None,
         progress: bool,
+        strip_think: bool = False,
+        warnings: Sequence[str] = (),
     ):
         if limit is not None and limit < 0:
             raise ValueError(f"limit must be non-negative, got {limit}")
         self.benchmark, self.identity, self.limit = benchmark, identity, limit
+        self.strip_think, self.warnings = strip_think, list(warnings)
         # Set by `pending` when the limit left items out: the results are then a subset's.
         self.subset = False
         self.directory = pathlib.Path(output)
@@ -277,10 +416,12 @@ class _Session:
                 continue
             yield item
 
-    def record(self, item: Item, reply: str | None, error: str | None) -> None:
-        self.store.append(_record(self.benchmark, item, reply, error))
+    def record(
+        self, item: Item, reply: Reply | None, error: ClientError | None, **postfix: Any
+    ) -> None:
+        self.store.append(_record(self.benchmark, item, reply, error, self.strip_think))
         self.failed += error is not None
-        self.progress.update(failed=self.failed)
+        self.progress.update(failed=self.failed, **postfix)
 
     def finish(self) -> dict:
         self.progress.close()
@@ -292,10 +433,14 @@ class _Session:
             "num_items": len(records),
             **({"limit": limit} if limit is not None else {}),
             "complete": all(r["error"] is None for r in records),
+            **outcome_summary(records),
             **self.benchmark.results(records),
+            **({"warnings": self.warnings} if self.warnings else {}),
         }
         results = _json_safe(results)
-        markdown = self.benchmark.markdown(results)
+        markdown = self.benchmark.markdown(results).rstrip("\n") + "\n\n"
+        markdown += summary_markdown(results) + "\n"
+        markdown += "".join(f"\nWarning: {warning}\n" for warning in self.warnings)
         if limit is not None:
             markdown = (
                 f"Subset: the first {limit} items only (--limit {limit}); a run without "
@@ -307,11 +452,23 @@ class _Session:
         files.write_atomic(self.directory / md_name, markdown)
         return results
 
+    def kept(self) -> int:
+        return sum(r["error"] is None for r in self.store.records.values())
+
     def interrupted(self) -> KeyboardInterrupt:
         """What Ctrl-C re-raises: the one line ood_jax.cli prints says what was kept."""
-        kept = sum(r["error"] is None for r in self.store.records.values())
         return KeyboardInterrupt(
-            f"{kept} replies kept in {self.store.path}; rerun the same command to continue"
+            f"{self.kept()} replies kept in {self.store.path}; rerun the same command to continue"
+        )
+
+    def stopped(self, streak: "_Streak") -> RunStopped:
+        kept = self.kept()
+        return RunStopped(
+            f"{streak.count} items in a row failed with {streak.kind} (the last: {streak.last}); "
+            f"{kept} replies kept in {self.store.path}",
+            streak.kind,
+            streak.last,
+            kept,
         )
 
     def abort(self) -> None:
@@ -319,79 +476,173 @@ class _Session:
         self.store.close()
 
 
+class _Streak:
+    """Items in a row whose requests failed with the same kind of error."""
+
+    def __init__(self, limit: int):
+        self.limit, self.kind, self.count, self.last = limit, None, 0, ""
+
+    def add(self, error: ClientError | None) -> bool:
+        """Counts one finished item; True when the run should stop."""
+        if error is None:
+            self.kind, self.count = None, 0
+            return False
+        if error.kind != self.kind:
+            self.kind, self.count = error.kind, 0
+        self.count += 1
+        self.last = str(error)
+        return 0 < self.limit <= self.count
+
+
+class _TooManyFailures(Exception):
+    pass
+
+
+class _Workers:
+    """`size` daemon threads answering items; (item, reply, error, crash) come back on `done`.
+
+    Daemon threads, unlike ThreadPoolExecutor's (joined when the interpreter exits), let Ctrl-C
+    end the process while a request is still out; `stop` also keeps them from taking more.
+    """
+
+    def __init__(self, size: int, ask: Callable[[Item], tuple[Reply | None, ClientError | None]]):
+        self._ask, self._size = ask, size
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.done: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopped = threading.Event()
+        for k in range(size):
+            threading.Thread(target=self._work, name=f"eval-mllm-{k}", daemon=True).start()
+
+    def submit(self, item: Item) -> None:
+        self._jobs.put(item)
+
+    def next_done(self) -> tuple:
+        # A timeout keeps the main thread where a signal can reach it on every platform.
+        while True:
+            try:
+                return self.done.get(timeout=0.5)
+            except queue.Empty:
+                continue
+
+    def stop(self) -> None:
+        self._stopped.set()
+        for _ in range(self._size):
+            self._jobs.put(None)
+
+    def _work(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None or self._stopped.is_set():
+                return
+            try:
+                reply, error = self._ask(item)
+            # Whatever stops a call (a KeyboardInterrupt or SystemExit raised in this thread too)
+            # goes to the main thread, which keeps the replies that arrived alongside.
+            except BaseException as crash:
+                self.done.put((item, None, None, crash))
+            else:
+                self.done.put((item, reply, error, None))
+
+
 def run(
     benchmark: Benchmark,
     client: Client,
     output: str | pathlib.Path,
-    concurrency: int = 8,
+    concurrency: int = DEFAULT_CONCURRENCY,
     limit: int | None = None,
     progress: bool = True,
+    *,
+    retry_budget: int | None = None,
+    max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILURES,
+    strip_think: bool = True,
+    warnings: Sequence[str] = (),
 ) -> dict:
     """Asks `client` every item of `benchmark` not yet answered in `output`; returns the results.
 
     `limit`: only the first `limit` items (results beside the full ones, see the module
-    docstring). Up to `concurrency` requests are in flight (1 for clients that say so). A request
-    that fails for good (`ClientError`) is recorded with its error and retried by the next run;
-    any other exception stops the run after recording the replies already received, and a
-    KeyboardInterrupt is re-raised with a message saying how many replies were kept, and where.
+    docstring). Up to `concurrency` requests are in flight (1 for clients that say so; a client
+    that takes a RunControl adapts below that). `retry_budget`: retries the whole run may make
+    (None: clients.RetryBudget's default). `max_consecutive_failures`: items failing in a row
+    with the same kind of error that stop the run with RunStopped (0: never). `strip_think`:
+    `<think>` blocks are taken out of replies before scoring and kept as reasoning (part of the
+    run's identity). `warnings`: what the results must say about how far to trust them (in
+    results.json and results.md). A request that fails for good (`ClientError`) is recorded with its error
+    and retried by the next run; any other exception stops the run after recording the replies
+    already received, and a KeyboardInterrupt is re-raised with a message saying how many
+    replies were kept, and where.
     """
     concurrency = min(concurrency, getattr(client, "concurrency_limit", concurrency))
     if concurrency < 1:
         raise ValueError(f"concurrency must be at least 1, got {concurrency}")
-    session = _Session(
-        benchmark, {**benchmark.identity(), **client.identity()}, output, limit, progress
+    if max_consecutive_failures < 0:
+        raise ValueError(
+            f"max_consecutive_failures must be non-negative, got {max_consecutive_failures}"
+        )
+    identity = {**benchmark.identity(), **client.identity(), "strip_think": strip_think}
+    session = _Session(benchmark, identity, output, limit, progress, strip_think, warnings)
+    control = (
+        RunControl(concurrency, retry_budget)
+        if getattr(client, "accepts_run_control", False)
+        else None
     )
 
-    def ask(item: Item) -> tuple[str | None, str | None]:
+    def ask(item: Item) -> tuple[Reply | None, ClientError | None]:
         try:
-            return client.generate(item.request), None
+            if control is not None:
+                return Reply.of(client.generate(item.request, control)), None
+            return Reply.of(client.generate(item.request)), None
         except ClientError as e:
-            return None, str(e)
+            return None, e
 
-    pool = concurrent.futures.ThreadPoolExecutor(concurrency, thread_name_prefix="eval-mllm")
-    in_flight: dict[concurrent.futures.Future, Item] = {}
+    workers = _Workers(concurrency, ask)
+    streak = _Streak(max_consecutive_failures)
+    in_flight = 0
 
-    def settle(futures: Iterable[concurrent.futures.Future]) -> BaseException | None:
-        """Records every finished reply; returns the first crash of a client call, if any."""
-        crash = None
-        for future in futures:
-            item = in_flight.pop(future)
-            try:
-                reply, error = future.result()
-            # A reply that arrived alongside must still be kept, whatever stopped another call
-            # (a KeyboardInterrupt or SystemExit raised in a worker thread lands here too).
-            except BaseException as e:
-                crash = crash or e
-                continue
-            session.record(item, reply, error)
-        return crash
-
-    def drain(at_most: int) -> None:
-        # Record finished requests in the main thread until no more than `at_most` are in flight.
-        while len(in_flight) > at_most:
-            done, _ = concurrent.futures.wait(
-                in_flight, return_when=concurrent.futures.FIRST_COMPLETED
-            )
-            crash = settle(done)
-            if crash is not None:
-                raise crash
+    def settle(done: tuple) -> None:
+        item, reply, error, crash = done
+        if crash is not None:
+            raise crash
+        postfix = {"concurrency": control.limit.limit} if control is not None else {}
+        session.record(item, reply, error, **postfix)
+        if streak.add(error):
+            raise _TooManyFailures
 
     try:
         for item in session.pending():
-            in_flight[pool.submit(ask, item)] = item
+            workers.submit(item)
+            in_flight += 1
             # A bounded window keeps memory flat however many items there are.
-            drain(2 * concurrency - 1)
-        drain(0)
+            while in_flight > 2 * concurrency - 1:
+                in_flight -= 1
+                settle(workers.next_done())
+        while in_flight:
+            in_flight -= 1
+            settle(workers.next_done())
     except BaseException as e:
-        # Keep the replies already received; requests not yet sent are dropped.
-        pool.shutdown(wait=False, cancel_futures=True)
-        settle([f for f in list(in_flight) if f.done() and not f.cancelled()])
+        # Requests still out are abandoned, those not yet sent dropped; replies that already
+        # came back are kept.
+        if control is not None:
+            control.abandon()
+        workers.stop()
+        _keep_finished(workers, session)
         session.abort()
         if isinstance(e, KeyboardInterrupt):
             raise session.interrupted() from e
+        if isinstance(e, _TooManyFailures):
+            raise session.stopped(streak) from None
         raise
-    pool.shutdown(wait=True)
+    workers.stop()
     return session.finish()
+
+
+def _keep_finished(workers: _Workers, session: _Session) -> None:
+    while True:
+        try:
+            item, reply, error, crash = workers.done.get_nowait()
+        except queue.Empty:
+            return
+        if crash is None and not isinstance(error, Abandoned):
+            session.record(item, reply, error)
 
 
 def run_batched(
@@ -414,7 +665,7 @@ def run_batched(
         if len(replies) != len(batch):
             raise RuntimeError(f"answered {len(replies)} of a batch of {len(batch)} items")
         for item, reply in zip(batch, replies):
-            session.record(item, reply, None)
+            session.record(item, Reply.of(reply), None)
         batch.clear()
 
     try:

@@ -62,6 +62,10 @@ class Benchmark(abc.ABC):
         """The number of items, when known without reading them."""
         return None
 
+    def max_images_per_item(self) -> int:
+        """The most images one item's prompt carries (where a template may move them)."""
+        return 1
+
     @abc.abstractmethod
     def items(self) -> Iterator[Item]: ...
 

@@ -208,6 +208,9 @@ class CountsOodg(Benchmark):
     def count(self) -> int:
         return len(self.records)
 
+    def max_images_per_item(self) -> int:
+        return max(len(record["images"]) for record in self.records)
+
     def items(self) -> Iterator[Item]:
         root = self.path.parent
         for record in self.records:
