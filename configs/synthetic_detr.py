@@ -98,6 +98,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.eval_every = 0
     config.checkpoint_every = 10 if smoke else 1000
     config.keep_checkpoints = 3
+    # A workdir's checkpoints resume only with the config they were trained with, except for
+    # run length, intervals, paths and devices (ood_jax/train/config_checks.py); True lets a
+    # changed model, data or optimizer field through.
+    config.allow_config_change = False
 
     config.distributed = False  # True on multi-host launches: jax.distributed.initialize()
     config.mesh = [("data", -1)]

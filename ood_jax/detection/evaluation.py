@@ -7,7 +7,10 @@ like COUNTS' Table 2, and a PNG bar chart of per-domain AP.
 
 from __future__ import annotations
 
+import io
 import pathlib
+import sys
+import time
 from typing import Any, Callable, Mapping
 
 import jax
@@ -76,9 +79,14 @@ def evaluate_split(
     input_config: ml_collections.ConfigDict,
     data_sharding: jax.sharding.NamedSharding,
     ground_truth: coco.GroundTruth | None = None,
+    name: str | None = None,
 ) -> coco.CocoEvalResult:
-    """COCO evaluation of `predict` (a jitted batch -> postprocessed outputs) on one split."""
+    """COCO evaluation of `predict` (a jitted batch -> postprocessed outputs) on one split.
+
+    With a `name`, process 0 says how far it is ("evaluating sky: 120/400 images").
+    """
     ground_truth = ground_truth or coco_ground_truth(builder, split)
+    progress = _Progress(name, len(ground_truth.image_ids)) if name else None
     image_ids, boxes, scores, labels = [], [], [], []
     batches = sharding.start_global(
         pipeline.eval_dataset(builder, split, input_config).as_numpy_iterator(),
@@ -103,6 +111,10 @@ def evaluate_split(
         boxes.append(np.asarray(gathered["boxes"])[keep])
         scores.append(np.asarray(gathered["scores"])[keep])
         labels.append(np.asarray(gathered["labels"])[keep])
+        if progress:
+            progress.update(int(keep.sum()))
+    if progress:
+        progress.done()
     boxes = np.concatenate(boxes).astype(np.float64)
     # Degenerate predicted boxes cannot be COCO detections; give them a sliver of size rather
     # than drop them, so every query still counts against precision.
@@ -114,6 +126,42 @@ def evaluate_split(
         np.concatenate(scores),
         np.concatenate(labels),
     )
+
+
+class _Progress:
+    """`evaluating NAME: i/N images` on process 0 while a split is evaluated, and one line when
+    it is done. On a terminal the line is updated in place after every batch; elsewhere (logs,
+    CI) a line is printed at most every `every_s` seconds, so a short split gets only its last.
+    The first batch's compilation announces itself (`train.CompiledOnFirstCall`).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        total: int,
+        every_s: float = 10.0,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        self.name, self.total, self.every_s, self.clock = name, total, every_s, clock
+        self.count = 0
+        self.show = jax.process_index() == 0
+        self.in_place = self.show and sys.stdout.isatty()
+        self.started = self.last = clock()
+
+    def update(self, images: int) -> None:
+        self.count += images
+        now = self.clock()
+        if self.show and (self.in_place or now - self.last >= self.every_s):
+            self.last = now
+            line = f"evaluating {self.name}: {self.count}/{self.total} images"
+            print("\r\033[K" + line if self.in_place else line, end="" if self.in_place else "\n")
+            sys.stdout.flush()
+
+    def done(self) -> None:
+        if self.show:
+            elapsed = self.clock() - self.started
+            line = f"evaluated {self.name}: {self.count} images in {elapsed:.1f} s"
+            print("\r\033[K" + line if self.in_place else line, flush=True)
 
 
 def summarize(step: int, iid: coco.CocoEvalResult, per_domain: Mapping[str, coco.CocoEvalResult]):
@@ -156,9 +204,13 @@ def write_results(workdir: str | pathlib.Path, results: Mapping[str, Any], model
     files.write_atomic(workdir / "per_domain_ap.png", _bar_chart(results))
 
 
-def _bar_chart(results: Mapping[str, Any]) -> bytes:
-    import io
+def bar_chart_figure(results: Mapping[str, Any]):
+    """per_domain_ap.png's figure: AP in-domain and on each held-out domain, each bar labelled
+    with its value (as results.md prints it) on a y axis from 0 in plain numbers.
 
+    Tiny APs (early or smoke runs) otherwise get ticks relative to a multiplier or offset
+    printed apart at the axis' top ("1e-6"), easily missed, so 3e-6 reads as 3.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -166,12 +218,32 @@ def _bar_chart(results: Mapping[str, Any]) -> bytes:
 
     names = ["in-domain", *results["per_domain"]]
     values = [results["iid"]["AP"], *[r["AP"] for r in results["per_domain"].values()]]
+    # COCO's AP is -1 where a split has no ground truth: no bar, and a label that says so.
+    heights = [max(v, 0.0) for v in values]
     fig, ax = plt.subplots(figsize=(1.2 + 0.8 * len(names), 3.2), dpi=100)
-    ax.bar(names, values, color=["#4c72b0"] + ["#dd8452"] * (len(names) - 1))
+    bars = ax.bar(names, heights, color=["#4c72b0"] + ["#dd8452"] * (len(names) - 1))
+    ax.bar_label(bars, labels=[_ap_label(v) for v in values], fontsize=8)
+    ax.set_ylim(0, 1.15 * max(heights) if max(heights) > 0 else 1.0)  # room for the labels
+    ax.ticklabel_format(axis="y", style="plain", useOffset=False)
     ax.set_ylabel("COCO AP")
     ax.set_title(f"AP in-domain and on held-out domains (step {results['step']})")
     ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()
+    return fig
+
+
+def _ap_label(value: float) -> str:
+    """As results.md prints it (0.123), but a tiny AP keeps a digit (2.1e-05, not 0.000)."""
+    if value < 0:
+        return "n/a"
+    text = f"{value:.3f}"
+    return text if value == 0 or text != "0.000" else f"{value:.1e}"
+
+
+def _bar_chart(results: Mapping[str, Any]) -> bytes:
+    from matplotlib import pyplot as plt
+
+    fig = bar_chart_figure(results)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     plt.close(fig)

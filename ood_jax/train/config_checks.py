@@ -1,12 +1,22 @@
-"""Checks of a training config's numbers before anything runs; errors name the field.
+"""Checks of a training config before anything runs; errors name the field.
 
-A negative step count or a zero batch size would otherwise train nothing (or fail deep inside
-XLA) and still exit 0 with results of the untrained model.
+`check_numbers`: a negative step count or a zero batch size would otherwise train nothing (or
+fail deep inside XLA) and still exit 0 with results of the untrained model.
+
+`check_resume`: a workdir with checkpoints belongs to the config that trained them (stored as
+its config.json). Resuming with another model, data, input, optimizer, loss or seed would either
+fail inside orbax (other shapes) or, worse, continue a different experiment under the old
+one's name. Only the fields of `FREE_ON_RESUME` may change: how long and how often (steps,
+intervals, checkpoints kept, eval batch size), where files are (data_dir, backbone_weights,
+which is read on a fresh start only) and on which devices (mesh, partition rules, multi-host).
+Every other field, including any a config adds later, is checked.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import pathlib
 from typing import Any
 
 import ml_collections
@@ -59,3 +69,84 @@ def check_numbers(config: ml_collections.ConfigDict) -> None:
         if value < low or (value == low and not inclusive):
             bound = f">= {low}" if inclusive else f"> {low}"
             raise ValueError(f"config.{path}: must be {bound}, got {value!r}")
+
+
+# Fields (and the fields under them) a resumed run may change; see the module docstring.
+FREE_ON_RESUME = (
+    "total_steps",
+    "log_every",
+    "eval_every",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "eval_batch_size",
+    "model_name",
+    "distributed",
+    "mesh",
+    "partition_rules",
+    "dataset.data_dir",
+    "dataset.build_if_missing",
+    "model.backbone_weights",
+    "allow_config_change",
+)
+
+_ABSENT = object()
+
+
+def config_values(config: ml_collections.ConfigDict | dict) -> dict[str, Any]:
+    """{dotted field path: value} of a config as JSON holds it (tuples become lists)."""
+    if isinstance(config, ml_collections.ConfigDict):
+        config = json.loads(config.to_json_best_effort())
+    flat: dict[str, Any] = {}
+
+    def walk(node: dict, prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict) and value:
+                walk(value, f"{prefix}{key}.")
+            else:
+                flat[f"{prefix}{key}"] = value
+
+    walk(config, "")
+    return flat
+
+
+def _is_free(path: str) -> bool:
+    return any(path == free or path.startswith(free + ".") for free in FREE_ON_RESUME)
+
+
+def changed_fields(stored: dict, config: ml_collections.ConfigDict) -> list[tuple[str, Any, Any]]:
+    """(field, stored value, new value) for each field that differs, free ones included."""
+    old, new = config_values(stored), config_values(config)
+    return [
+        (path, old.get(path, _ABSENT), new.get(path, _ABSENT))
+        for path in sorted(old.keys() | new.keys())
+        if old.get(path, _ABSENT) != new.get(path, _ABSENT)
+    ]
+
+
+def describe_changes(changes: list[tuple[str, Any, Any]]) -> str:
+    """`model.args.hidden_dim 32 -> 64, input.image_size 96 -> 128`."""
+
+    def value(v: Any) -> str:
+        return "(absent)" if v is _ABSENT else json.dumps(v)
+
+    return ", ".join(f"{path} {value(old)} -> {value(new)}" for path, old, new in changes)
+
+
+def check_resume(
+    stored: dict, config: ml_collections.ConfigDict, workdir: str | pathlib.Path
+) -> list[tuple[str, Any, Any]]:
+    """Raises ValueError naming each field outside `FREE_ON_RESUME` that differs from the
+    config the workdir's checkpoints were trained with, unless `config.allow_config_change`.
+
+    Returns the changed fields that are not free (empty unless allow_config_change let them
+    through), for the caller to report.
+    """
+    guarded = [change for change in changed_fields(stored, config) if not _is_free(change[0])]
+    if guarded and not config.get("allow_config_change", False):
+        raise ValueError(
+            f"--workdir {workdir} holds checkpoints of another config "
+            f"({describe_changes(guarded)}): they would not fit or would continue a different "
+            "experiment; use a fresh --workdir, or --config.allow_config_change=True to resume "
+            "anyway"
+        )
+    return guarded

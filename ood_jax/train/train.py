@@ -8,6 +8,11 @@ continues to `config.total_steps`.
 the state's layout) and creates no parameters. A fresh run then has its stages in order: backbone
 pretraining when `config.pretrain.steps` asks for it (also its own command, `ood-jax pretrain`),
 the initial state, the starting backbone weights. Evaluation only restores a checkpoint.
+
+A workdir keeps the config its checkpoints were trained with (config.json); `train` and
+`evaluate` refuse another one by field (`config_checks.check_resume`). A damaged newest checkpoint
+is moved aside and the next older one used (`checkpoint.Checkpointer.restore_newest`). Ctrl-C
+in training saves the step it stopped at and says how to continue.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from absl import logging
 from clu import metric_writers, periodic_actions
 from flax import linen as nn
 
-from ood_jax import datasets, sharding
+from ood_jax import datasets, files, sharding
 from ood_jax.data import counts, pipeline
 from ood_jax.detection import evaluation
 from ood_jax.metrics import coco
@@ -55,6 +60,8 @@ class NonFiniteLossError(RuntimeError):
 
 # What the pretraining stage writes into the workdir (see `pretrain.py`).
 PRETRAINED_BACKBONE = "backbone_pretrained.msgpack"
+# The config the workdir's checkpoints were trained with.
+CONFIG_FILE = "config.json"
 
 
 def load_builder(config: ml_collections.ConfigDict) -> tfds.core.DatasetBuilder:
@@ -76,6 +83,32 @@ def experiment_splits(config: ml_collections.ConfigDict) -> dict[str, str]:
 
 def _is_primary() -> bool:
     return jax.process_index() == 0
+
+
+class CompiledOnFirstCall:
+    """A jitted function compiled ahead of its first call, saying so on process 0.
+
+    The first call of a detector's train or predict step compiles for tens of seconds on CPU
+    (minutes for large models), which otherwise looks like a hang. Later calls run the
+    compiled program; arguments of other shapes or shardings than the first call's are an
+    error there rather than a silent recompilation.
+    """
+
+    def __init__(self, jitted: Callable, what: str):
+        self._jitted, self.what = jitted, what
+        self._compiled: Callable | None = None
+        self.compile_seconds = 0.0
+
+    def __call__(self, *args):
+        if self._compiled is None:
+            if _is_primary():
+                print(f"compiling the {self.what} ...", flush=True)
+            started = time.perf_counter()
+            self._compiled = self._jitted.lower(*args).compile()
+            self.compile_seconds = time.perf_counter() - started
+            if _is_primary():
+                print(f"compiled the {self.what} in {self.compile_seconds:.1f} s", flush=True)
+        return self._compiled(*args)
 
 
 def create_train_state(model, optimizer, rng, image_shape):
@@ -187,8 +220,8 @@ class Experiment:
     init_rng: jax.Array
     train_rng: jax.Array
     checkpointer: checkpoint.Checkpointer
-    # Jitted once, so periodic evaluations reuse one compilation: (state, batch) -> detections.
-    predict: Callable[[TrainState, dict[str, jax.Array]], dict[str, jax.Array]]
+    # Compiled once, so periodic evaluations reuse it: (state, batch) -> detections.
+    predict: CompiledOnFirstCall
 
 
 def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> Experiment:
@@ -244,9 +277,12 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> Experimen
         checkpointer=checkpoint.Checkpointer(
             workdir, every_steps=config.checkpoint_every, keep=config.keep_checkpoints
         ),
-        predict=jax.jit(
-            functools.partial(predict_step, model=model),
-            in_shardings=(state_sharding, data_sharding),
+        predict=CompiledOnFirstCall(
+            jax.jit(
+                functools.partial(predict_step, model=model),
+                in_shardings=(state_sharding, data_sharding),
+            ),
+            "predict step",
         ),
     )
 
@@ -319,11 +355,76 @@ def evaluate_all(
             input_config=eval_input,
             data_sharding=experiment.data_sharding,
             ground_truth=ground_truth[name],
+            name=name,
         )
 
     iid = run("iid")
     per_domain = {name: run(name) for name in ground_truth if name != "iid"}
     return evaluation.summarize(int(state.step), iid, per_domain)
+
+
+def check_workdir_config(
+    config: ml_collections.ConfigDict, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer
+) -> None:
+    """Refuses a workdir whose checkpoints were trained with another config, naming each changed
+    field (`config_checks.check_resume`); says which changes allow_config_change let through.
+
+    A workdir without checkpoints has nothing to resume, so its config.json is simply replaced.
+    """
+    path = workdir / CONFIG_FILE
+    if ckpt.latest_step() is None or not path.is_file():
+        return
+    try:
+        stored = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(
+            f"{path}: not the JSON config ood-jax writes ({e}); put back the config the "
+            "checkpoints were trained with, or use a fresh --workdir"
+        ) from None
+    allowed = config_checks.check_resume(stored, config, workdir)
+    if allowed and _is_primary():
+        print(
+            f"Using {workdir}'s checkpoints with a changed config (config.allow_config_change): "
+            + config_checks.describe_changes(allowed),
+            flush=True,
+        )
+
+
+def restore_newest(experiment: Experiment, then: str) -> checkpoint.Restored | None:
+    """The newest checkpoint that restores, saying which newer ones did not and where they went;
+    `then` completes that line with what happens next ("resuming from", "evaluating step")."""
+    restored = experiment.checkpointer.restore_newest(experiment.abstract_state)
+    if restored is not None and _is_primary():
+        for failed in restored.failed:
+            print(
+                f"checkpoint {failed.step} could not be restored ({failed.reason}); moved to "
+                f"{failed.moved_to}; {then} {restored.step}",
+                flush=True,
+            )
+    return restored
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))
+
+
+def keep_on_interrupt(
+    ckpt: checkpoint.Checkpointer, state: TrainState, meta: dict, workdir: pathlib.Path
+) -> str:
+    """After Ctrl-C in training: saves the step it stopped at, if the state is whole (not
+    donated to a step that was cut short) and finite, and says what the workdir keeps."""
+    ckpt.wait()  # a save already on its way finishes
+    latest = ckpt.latest_step()
+    if not any(leaf.is_deleted() for leaf in jax.tree.leaves(state)):
+        step = int(state.step)
+        if step > (latest or 0) and bool(_all_finite(state.params)):
+            ckpt.save(step, state, meta, force=True)
+            ckpt.wait()
+            latest = step
+    if latest is None:
+        return f"no checkpoint saved in {workdir} yet; rerun the same command to start again"
+    return f"checkpoint at step {latest} kept in {workdir}; rerun the same command to continue"
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -336,13 +437,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     # Resume, or start: backbone pretraining (its own stage) and the initial state.
     # ----------------------------------------------------------------------------------------
     latest = ckpt.latest_step()
-    if latest is not None:
-        if latest > config.total_steps:
-            raise ValueError(
-                f"config.total_steps: {config.total_steps}, but {workdir} already holds step "
-                f"{latest}; raise total_steps to continue, or use a fresh --workdir"
-            )
-        state, meta = ckpt.restore(latest, experiment.abstract_state)
+    if latest is not None and latest > config.total_steps:
+        raise ValueError(
+            f"config.total_steps: {config.total_steps}, but {workdir} already holds step "
+            f"{latest}; raise total_steps to continue, or use a fresh --workdir"
+        )
+    check_workdir_config(config, workdir, ckpt)
+    restored = restore_newest(experiment, "resuming from")
+    if restored is not None:
+        state = restored.state
         start_step = int(state.step)
         logging.info("Resumed from the checkpoint at step %d (workdir %s).", start_step, workdir)
         print(f"Resumed from step {start_step} of {workdir}; continuing to {config.total_steps}.")
@@ -351,6 +454,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         backbone_weights = pretrained_backbone_path(config, workdir)
         if backbone_weights == workdir / PRETRAINED_BACKBONE:
             pretrain_stage(config, workdir)
+        if _is_primary():
+            print(f"New run in {workdir}: initializing the parameters ...", flush=True)
         state = initial_state(config, experiment)
         if backbone_weights:
             state = load_pretrained_backbone(
@@ -360,8 +465,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                 experiment.state_sharding,
                 model_name=config.model.name,
             )
+    meta = {"config": json.loads(config.to_json_best_effort())}
     if _is_primary():
-        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+        files.write_json_atomic(workdir / CONFIG_FILE, meta["config"])
 
     writer = metric_writers.create_default_writer(
         str(workdir / "tensorboard"), just_logging=not _is_primary()
@@ -377,7 +483,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     )
     ground_truth = ground_truths(config, experiment)
 
-    step_fn = jit_train_step(config, experiment)
+    step_fn = CompiledOnFirstCall(jit_train_step(config, experiment), "train step")
     report = periodic_actions.ReportProgress(
         num_train_steps=config.total_steps, writer=writer, every_steps=config.log_every
     )
@@ -385,49 +491,53 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     # ----------------------------------------------------------------------------------------
     # Train.
     # ----------------------------------------------------------------------------------------
-    meta = {"config": json.loads(config.to_json_best_effort())}
     pending: list[dict[str, jax.Array]] = []
     started = time.perf_counter()
-    for step in range(start_step + 1, config.total_steps + 1):
-        batch, _ = next(batches)
-        state, metrics = step_fn(state, batch, experiment.train_rng)
-        pending.append(metrics)
-        report(step)
+    try:
+        for step in range(start_step + 1, config.total_steps + 1):
+            batch, _ = next(batches)
+            state, metrics = step_fn(state, batch, experiment.train_rng)
+            pending.append(metrics)
+            report(step)
 
-        # A checkpoint must never hold a diverged state, so every step since the last log is
-        # checked before each save as well as at each log step; the error names the first one.
-        log_due = step % config.log_every == 0 or step == config.total_steps
-        if log_due or ckpt.should_save(step):
-            first = step - len(pending) + 1
-            for offset, m in enumerate(pending):
-                loss, grad_norm = float(m["loss"]), float(m["grad_norm"])
-                if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                    ckpt.wait()
-                    raise NonFiniteLossError(
-                        f"loss became {loss} (gradient norm {grad_norm}) at step "
-                        f"{first + offset}; the last good checkpoint (step "
-                        f"{ckpt.latest_step()}) is kept in {ckpt.directory}"
+            # A checkpoint must never hold a diverged state, so every step since the last log
+            # is checked before each save as well as at each log step; the error names the
+            # first one.
+            log_due = step % config.log_every == 0 or step == config.total_steps
+            if log_due or ckpt.should_save(step):
+                first = step - len(pending) + 1
+                for offset, m in enumerate(pending):
+                    loss, grad_norm = float(m["loss"]), float(m["grad_norm"])
+                    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                        ckpt.wait()
+                        raise NonFiniteLossError(
+                            f"loss became {loss} (gradient norm {grad_norm}) at step "
+                            f"{first + offset}; the last good checkpoint (step "
+                            f"{ckpt.latest_step()}) is kept in {ckpt.directory}"
+                        )
+            if log_due:
+                summary = {k: float(np.mean([m[k] for m in pending])) for k in pending[0]}
+                pending = []
+                summary["learning_rate"] = float(experiment.schedules["transformer"](step))
+                writer.write_scalars(step, summary)
+                if _is_primary():
+                    # The compilation in the first step is not the training's speed.
+                    elapsed = time.perf_counter() - started - step_fn.compile_seconds
+                    rate = (step - start_step) / elapsed
+                    eta = (config.total_steps - step) / rate
+                    print(
+                        f"step {step}/{config.total_steps}  loss {summary['loss']:.3f}  "
+                        f"{rate:.2f} steps/s  ETA {eta / 60:.1f} min",
+                        flush=True,
                     )
-        if log_due:
-            summary = {k: float(np.mean([m[k] for m in pending])) for k in pending[0]}
-            pending = []
-            summary["learning_rate"] = float(experiment.schedules["transformer"](step))
-            writer.write_scalars(step, summary)
-            if _is_primary():
-                elapsed = time.perf_counter() - started
-                rate = (step - start_step) / elapsed
-                eta = (config.total_steps - step) / rate
-                print(
-                    f"step {step}/{config.total_steps}  loss {summary['loss']:.3f}  "
-                    f"{rate:.2f} steps/s  ETA {eta / 60:.1f} min",
-                    flush=True,
-                )
 
-        ckpt.save(step, state, meta, force=step == config.total_steps)
+            ckpt.save(step, state, meta, force=step == config.total_steps)
 
-        if config.eval_every and step % config.eval_every == 0 and step != config.total_steps:
-            results = evaluate_all(config, experiment, state, ground_truth)
-            writer.write_scalars(step, {"eval/iid_AP": results["iid"]["AP"]})
+            if config.eval_every and step % config.eval_every == 0 and step != config.total_steps:
+                results = evaluate_all(config, experiment, state, ground_truth)
+                writer.write_scalars(step, {"eval/iid_AP": results["iid"]["AP"]})
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(keep_on_interrupt(ckpt, state, meta, workdir)) from None
     ckpt.wait()
     # Released before the final evaluation: torn down at function exit instead, the input
     # pipeline stalled the end of the run (12 s on a 20-step demo run, 30-50 s on full ones).
@@ -436,7 +546,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     # ----------------------------------------------------------------------------------------
     # Final evaluation.
     # ----------------------------------------------------------------------------------------
-    results = evaluate_all(config, experiment, state, ground_truth)
+    try:
+        results = evaluate_all(config, experiment, state, ground_truth)
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(
+            f"checkpoint at step {int(state.step)} kept in {workdir}, not yet evaluated; rerun "
+            "the same command to evaluate it"
+        ) from None
     if _is_primary():
         evaluation.write_results(workdir, results, config.model_name)
         writer.write_scalars(
@@ -449,17 +565,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
 
 def evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-    """Evaluates the newest checkpoint in `workdir` and writes the results there."""
+    """Evaluates the newest checkpoint in `workdir` that restores and writes the results there."""
     workdir = pathlib.Path(workdir)
     experiment = setup(config, workdir)
     ckpt = experiment.checkpointer
-    latest = ckpt.latest_step()
-    if latest is None:
+    check_workdir_config(config, workdir, ckpt)
+    restored = restore_newest(experiment, "evaluating step")
+    if restored is None:
         raise FileNotFoundError(
             f"no checkpoint in {ckpt.directory}: train first (`ood-jax train` on this --workdir)"
         )
-    state, _ = ckpt.restore(latest, experiment.abstract_state)
-    results = evaluate_all(config, experiment, state, ground_truths(config, experiment))
+    results = evaluate_all(config, experiment, restored.state, ground_truths(config, experiment))
     if _is_primary():
         evaluation.write_results(workdir, results, config.model_name)
     ckpt.close()
