@@ -314,3 +314,195 @@ def test_resampling_p_value():
     assert stats.resampling_p_value(-0.65, baseline, "less") == pytest.approx(1 / 1001)
     with pytest.raises(ValueError, match="samples"):
         stats.resampling_p_value(0.0, [])
+
+
+# --- intervals and paired tests of two runs on the same items ------------------------------------
+
+
+def _binomial_cases(seed: int) -> list[tuple[int, int]]:
+    rng = np.random.default_rng(seed)
+    cases = [(0, 1), (1, 1), (0, 50), (50, 50), (49, 50), (1, 2)]
+    return cases + [
+        (int(k), int(n)) for n in rng.integers(1, 2000, 40) for k in [rng.integers(0, n + 1)]
+    ]
+
+
+def test_wilson_and_clopper_pearson_match_statsmodels():
+    from statsmodels.stats.proportion import proportion_confint
+
+    for k, n in _binomial_cases(2):
+        for confidence in (0.9, 0.95, 0.99):
+            alpha = 1 - confidence
+            wilson = proportion_confint(k, n, alpha, method="wilson")
+            np.testing.assert_allclose(
+                stats.wilson(k, n, confidence), wilson, rtol=1e-10, atol=1e-12
+            )
+            exact = proportion_confint(k, n, alpha, method="beta")
+            np.testing.assert_allclose(
+                stats.clopper_pearson(k, n, confidence), exact, rtol=1e-10, atol=1e-12
+            )
+
+
+def test_wilson_ends_are_exact_at_zero_and_all():
+    # The formula reaches 0 and 1 only up to rounding; the interval must hold them exactly.
+    for n in (1, 5, 40, 300, 10**6):
+        assert stats.wilson(0, n)[0] == 0.0 and stats.wilson(n, n)[1] == 1.0
+    for n in (5, 40, 10**6):
+        assert stats.wilson(1, n)[0] > 0.0 and stats.wilson(n - 1, n)[1] < 1.0
+
+
+def test_mcnemar_exact_matches_statsmodels():
+    from statsmodels.stats.contingency_tables import mcnemar
+
+    rng = np.random.default_rng(3)
+    tables = [[[5, 0], [0, 7]], [[0, 3], [0, 0]], [[1, 1], [1, 1]], [[9, 12], [30, 4]]]
+    tables += [rng.integers(0, 60, (2, 2)).tolist() for _ in range(60)]
+    for table in tables:
+        want = mcnemar(table, exact=True).pvalue
+        assert stats.mcnemar_exact(table[0][1], table[1][0]) == pytest.approx(want, abs=1e-12)
+
+
+def _f1_reference(truth: np.ndarray, said_yes: np.ndarray) -> float:
+    from sklearn.metrics import f1_score
+
+    return f1_score(truth, said_yes, zero_division=0)
+
+
+def _mcc_reference(truth: np.ndarray, said_yes: np.ndarray) -> float:
+    from sklearn.metrics import matthews_corrcoef
+
+    return matthews_corrcoef(truth, said_yes)
+
+
+def _confusion_statistics(truth: np.ndarray, said_yes: np.ndarray) -> np.ndarray:
+    return np.stack(
+        [truth & said_yes, ~truth & said_yes, truth & ~said_yes, ~truth & ~said_yes], axis=1
+    ).astype(float)
+
+
+def _f1_of_means(m):
+    den = 2 * m[..., 0] + m[..., 1] + m[..., 2]
+    return np.where(den > 0, 2 * m[..., 0] / np.where(den > 0, den, 1), 0.0)
+
+
+def _mcc_of_means(m):
+    tp, fp, fn, tn = (m[..., k] for k in range(4))
+    den = np.sqrt((tp + fp) * (tp + fn) * (tn + fp) * (tn + fn))
+    return np.where(den > 0, (tp * tn - fp * fn) / np.where(den > 0, den, 1), 0.0)
+
+
+def _paired_bootstrap_loop(metric, a, b, num_bootstrap, seed, confidence):
+    """One resample at a time, each run's metric from its resampled items by `metric(rows)`."""
+    rng = np.random.default_rng(seed)
+    da, db = [], []
+    for _ in range(num_bootstrap):
+        index = rng.integers(0, len(a[0]), len(a[0]))
+        da.append(metric(*(x[index] for x in a)))
+        db.append(metric(*(x[index] for x in b)))
+    da, db = np.array(da), np.array(db)
+    observed = metric(*b) - metric(*a)
+    tails = [(1 - confidence) / 2, (1 + confidence) / 2]
+    return {
+        "difference": observed,
+        "a_interval": np.quantile(da, tails),
+        "b_interval": np.quantile(db, tails),
+        "difference_interval": np.quantile(db - da, tails),
+        "extreme": np.abs(db - da - observed) >= abs(observed),
+    }
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("name", ["accuracy", "f1", "mcc"])
+def test_paired_bootstrap_matches_a_slow_sklearn_loop(seed, name):
+    rng = np.random.default_rng(seed)
+    n, num_bootstrap = int(rng.integers(20, 120)), 300
+    truth = rng.random(n) < 0.5
+    runs = [np.where(rng.random(n) < p, truth, ~truth) for p in (0.7, 0.8)]
+    if name == "accuracy":
+        a, b = ((r == truth).astype(float) for r in runs)
+        got = stats.paired_bootstrap(lambda m: m[..., 0], a, b, num_bootstrap, seed, chunk=7)
+        want = _paired_bootstrap_loop(np.mean, (a,), (b,), num_bootstrap, seed, 0.95)
+    else:
+        of_means, reference = {
+            "f1": (_f1_of_means, _f1_reference),
+            "mcc": (_mcc_of_means, _mcc_reference),
+        }[name]
+        a, b = (_confusion_statistics(truth, r) for r in runs)
+        got = stats.paired_bootstrap(of_means, a, b, num_bootstrap, seed, chunk=7)
+        want = _paired_bootstrap_loop(
+            reference, (truth, runs[0]), (truth, runs[1]), num_bootstrap, seed, 0.95
+        )
+    assert got["difference"] == pytest.approx(want["difference"], abs=1e-12)
+    for key in ("a_interval", "b_interval", "difference_interval"):
+        np.testing.assert_allclose(got[key], want[key], atol=1e-12)
+    # The p-value counts the same resamples, ties at |d_b - d| == |d| included.
+    extreme = int(want["extreme"].sum())
+    assert round(got["p_value"] * (1 + num_bootstrap)) - 1 == extreme
+    assert got["num_bootstrap"] == num_bootstrap
+
+
+def test_paired_bootstrap_resamples_are_chunk_independent_and_seeded():
+    rng = np.random.default_rng(4)
+    a, b = rng.random((50, 2)), rng.random((50, 2))
+
+    def metric(m):
+        return m[..., 0] / (m[..., 0] + m[..., 1])
+
+    runs = [stats.paired_bootstrap(metric, a, b, 101, seed=5, chunk=c) for c in (1, 13, None)]
+    assert runs[0] == runs[1] == runs[2]
+    assert stats.paired_bootstrap(metric, a, b, 101, seed=6) != runs[0]
+    replay = np.random.default_rng(5)
+    for block in stats.bootstrap_indices(50, 101, seed=5, chunk=13):
+        for row in block:
+            np.testing.assert_array_equal(row, replay.integers(0, 50, 50))
+
+
+def test_paired_bootstrap_of_accuracy_agrees_with_the_normal_approximation():
+    # For a difference of paired proportions, var = ((b + c) / n - d^2) / n with b, c the
+    # discordant shares' counts: the bootstrap interval's width should be close to 2 z sd.
+    rng = np.random.default_rng(7)
+    n = 3000
+    a = (rng.random(n) < 0.7).astype(float)
+    b = np.where(rng.random(n) < 0.8, a, 1 - a)
+    got = stats.paired_bootstrap(lambda m: m[..., 0], a, b, 4000, seed=1)
+    d = b.mean() - a.mean()
+    discordant = np.mean(a != b)
+    sd = np.sqrt((discordant - d**2) / n)
+    low, high = got["difference_interval"]
+    assert high - low == pytest.approx(2 * 1.959964 * sd, rel=0.06)
+    assert (low + high) / 2 == pytest.approx(d, abs=0.2 * sd)
+
+
+def test_paired_bootstrap_of_identical_runs():
+    a = np.array([1.0, 0.0, 1.0, 1.0])
+    got = stats.paired_bootstrap(lambda m: m[..., 0], a, a, 50)
+    assert got["difference"] == 0.0 and got["p_value"] == 1.0
+    assert got["difference_interval"] == (0.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: stats.wilson(3, 0), "n must be positive"),
+        (lambda: stats.wilson(4, 3), "k must be in"),
+        (lambda: stats.wilson(1, 3, confidence=0), "confidence"),
+        (lambda: stats.mcnemar_exact(-1, 3), "discordant counts"),
+        (lambda: stats.mcnemar_exact(1.5, 3), "only_a must be an integer"),
+        (
+            lambda: stats.paired_bootstrap(lambda m: m[..., 0], np.ones(3), np.ones(4)),
+            "one shape",
+        ),
+        (
+            lambda: stats.paired_bootstrap(lambda m: m[..., 0], np.ones(0), np.ones(0)),
+            r"\[num_items, num_statistics\]",
+        ),
+        (
+            lambda: stats.paired_bootstrap(lambda m: m[..., 0], [np.nan], [1.0]),
+            "non-finite",
+        ),
+        (lambda: list(stats.bootstrap_indices(5, 0)), "must be positive"),
+    ],
+)
+def test_paired_test_bad_input(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()

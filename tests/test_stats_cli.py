@@ -57,10 +57,24 @@ def test_clopper_pearson_command_matches_scipy(capsys, k, n, confidence):
     assert out["beta_posterior_lower"] == pytest.approx(
         sps.beta.ppf(1 - confidence, 1 + k, 1 + n - k), abs=1e-12
     )
+    from statsmodels.stats.proportion import proportion_confint
+
+    wilson = proportion_confint(k, n, 1 - confidence, method="wilson")
+    assert out["wilson"] == pytest.approx(list(wilson), abs=1e-12)
     jeffreys = stats_cli(["clopper-pearson", str(k), str(n), "--prior", "jeffreys"], capsys)
     assert jeffreys["beta_posterior_lower"] == pytest.approx(
         sps.beta.ppf(0.05, 0.5 + k, 0.5 + n - k), abs=1e-12
     )
+
+
+@pytest.mark.parametrize("only_a, only_b", [(21, 9), (0, 0), (0, 5), (40, 41)])
+def test_mcnemar_command_matches_statsmodels(capsys, only_a, only_b):
+    from statsmodels.stats.contingency_tables import mcnemar
+
+    out = stats_cli(["mcnemar", str(only_a), str(only_b)], capsys)
+    want = mcnemar([[10, only_a], [only_b, 10]], exact=True).pvalue
+    assert out == {"only_a": only_a, "only_b": only_b, "p_value": pytest.approx(want, abs=1e-12)}
+    assert f"p = {want:.4g}" in stats_text(["mcnemar", str(only_a), str(only_b)], capsys)
 
 
 def test_paper_theta_min_is_printed(capsys):

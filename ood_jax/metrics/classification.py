@@ -26,6 +26,26 @@ def _ratio(num: float, den: float) -> float:
     return float(num / den) if den else 0.0
 
 
+def _ratios(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    return np.where(den > 0, num / np.where(den > 0, den, 1.0), 0.0)
+
+
+def f1_from_counts(tp, fp, fn) -> np.ndarray:
+    """F1 from confusion counts (or their means), elementwise: 2PR / (P + R) in counts, 0 where
+    tp is 0, as with zero_division=0."""
+    tp, fp, fn = (np.asarray(x, np.float64) for x in (tp, fp, fn))
+    return _ratios(2 * tp, 2 * tp + fp + fn)
+
+
+def mcc_from_counts(tp, fp, fn, tn) -> np.ndarray:
+    """Matthews' correlation from confusion counts (or their means), elementwise; 0 where it is
+    undefined, as sklearn's matthews_corrcoef. In floats: products of counts overflow int64
+    beyond ~3e9 examples per factor pair."""
+    tp, fp, fn, tn = (np.asarray(x, np.float64) for x in (tp, fp, fn, tn))
+    den = np.sqrt((tp + fp) * (tp + fn) * (tn + fp) * (tn + fn))
+    return _ratios(tp * tn - fp * fn, den)
+
+
 def binary_report(y_true: object, y_pred: object) -> dict:
     """Accuracy, precision, recall, F1 and MCC with "yes" (True / 1) as the positive class.
 
@@ -40,15 +60,12 @@ def binary_report(y_true: object, y_pred: object) -> dict:
     fp = int(np.count_nonzero(~t & p))
     fn = int(np.count_nonzero(t & ~p))
     tn = t.size - tp - fp - fn
-    # Products of counts overflow int64 beyond ~3e9 examples per factor pair; floats do not.
-    mcc_den = np.sqrt(float(tp + fp) * float(tp + fn) * float(tn + fp) * float(tn + fn))
     return {
         "accuracy": (tp + tn) / t.size,
         "precision": _ratio(tp, tp + fp),
         "recall": _ratio(tp, tp + fn),
-        # 2PR / (P + R) rewritten in counts; it is 0 whenever tp is 0, as with zero_division=0.
-        "f1": _ratio(2 * tp, 2 * tp + fp + fn),
-        "mcc": _ratio(float(tp) * tn - float(fp) * fn, mcc_den),
+        "f1": float(f1_from_counts(tp, fp, fn)),
+        "mcc": float(mcc_from_counts(tp, fp, fn, tn)),
         "support": int(t.size),
         "tp": tp,
         "fp": fp,

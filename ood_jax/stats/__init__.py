@@ -17,12 +17,20 @@ MMD is computed in jax, jitted, over fixed-size row blocks of the pooled kernel 
 tens of thousands of points never materialize an N x N matrix; a permutation test evaluates a
 chunk of permutations per pass over the kernel, as one matmul per row block.
 
+For MLLM runs compared on the same items (`ood-jax compare`, ood_jax.eval.compare): the Wilson
+and Clopper-Pearson intervals of an accuracy (`wilson`, `clopper_pearson`), McNemar's exact test
+of two runs' paired right/wrong answers (`mcnemar_exact`), and a paired bootstrap over items of
+any metric that is a function of per-item means, such as F1 and MCC of yes/no answers
+(`paired_bootstrap`, resampling with `bootstrap_indices`).
+
 The package `ood_jax.stats` holds the statistics (this module); `ood_jax.stats.cli` is the
 `ood-jax stats` command that runs them from files.
 """
 
 import functools
+import math
 import numbers
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 import jax
@@ -126,6 +134,25 @@ def clopper_pearson_lower(k: int, n: int, confidence: float = 0.95) -> float:
     k, n = _check_k_n(k, n)
     alpha = 1.0 - _check_confidence(confidence)
     return 0.0 if k == 0 else float(sps.beta.ppf(alpha, k, n - k + 1))
+
+
+def wilson(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Two-sided Wilson score interval for a binomial proportion from k of n (no continuity
+    correction): every p with |k/n - p| <= z sqrt(p (1 - p) / n), which the score test keeps.
+
+    Equal to statsmodels' `proportion_confint(k, n, 1 - confidence, method="wilson")`. Unlike
+    Clopper-Pearson it is not conservative: its coverage is close to the nominal level on
+    average over p (Brown, Cai and DasGupta, 2001), so it is usually the shorter of the two.
+    """
+    k, n = _check_k_n(k, n)
+    z = float(sps.norm.ppf(0.5 + _check_confidence(confidence) / 2))
+    p, z2 = k / n, z * z
+    center = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    # At k = 0 or k = n one end is exactly 0 or 1; the formula reaches it only up to rounding.
+    low = 0.0 if k == 0 else max(0.0, center - half)
+    high = 1.0 if k == n else min(1.0, center + half)
+    return low, high
 
 
 def beta_posterior_bound(
@@ -657,3 +684,132 @@ def resampling_p_value(
     lower = (1 + int(np.sum(samples <= observed))) / (1 + b)
     p = {"greater": upper, "less": lower, "two-sided": min(1.0, 2 * min(upper, lower))}
     return p[alternative]
+
+
+# ---------------------------------------------------------------------------------------------
+# Paired tests of two runs on the same items
+# ---------------------------------------------------------------------------------------------
+
+
+def mcnemar_exact(only_a: int, only_b: int) -> float:
+    """Two-sided exact McNemar p-value from the discordant pairs of two paired binary outcomes:
+    `only_a` items that A got right and B wrong, `only_b` the other way round.
+
+    Under H0 (both equally accurate) each discordant item is a fair coin, so the p-value is
+    twice the smaller binomial tail of Binomial(only_a + only_b, 1/2), capped at 1; without
+    discordant items it is 1. Equal to statsmodels' `mcnemar([[., only_a], [only_b, .]],
+    exact=True).pvalue`. The items both runs got right or wrong carry no evidence either way.
+    """
+    only_a, only_b = _check_count("only_a", only_a), _check_count("only_b", only_b)
+    if only_a < 0 or only_b < 0:
+        raise ValueError(f"discordant counts must be >= 0, got {only_a} and {only_b}")
+    discordant = only_a + only_b
+    if discordant == 0:
+        return 1.0
+    return min(1.0, 2.0 * float(sps.binom.cdf(min(only_a, only_b), discordant, 0.5)))
+
+
+# Item indices of the resamples scored at once in paired_bootstrap: [chunk, n] int64 of at most
+# this many entries (32 MiB), and as much again for the one statistic gathered at a time.
+BOOTSTRAP_CHUNK_ITEMS = 1 << 22
+
+
+def bootstrap_indices(n: int, num_bootstrap: int, seed: int = 0, chunk: int = 256) -> Iterator:
+    """The item indices of `num_bootstrap` resamples of n items with replacement, `chunk`
+    resamples ([<= chunk, n] int arrays) at a time.
+
+    Resample b is what the b-th call of `rng.integers(0, n, n)` on `numpy.random.default_rng(
+    seed)` returns (numpy draws a [chunk, n] block from the same stream), so a plain loop can
+    replay them.
+    """
+    n = _check_count("n", n)
+    num_bootstrap = _check_count("num_bootstrap", num_bootstrap)
+    if n <= 0 or num_bootstrap <= 0 or chunk <= 0:
+        raise ValueError(
+            f"n, num_bootstrap and chunk must be positive, got {n}, {num_bootstrap}, {chunk}"
+        )
+    rng = np.random.default_rng(seed)
+    for start in range(0, num_bootstrap, chunk):
+        yield rng.integers(0, n, (min(chunk, num_bootstrap - start), n))
+
+
+def _resampled_means(indices: np.ndarray, statistics: np.ndarray) -> np.ndarray:
+    """[R, k]: the per-item statistics [n, k] averaged over each resample's items [R, n]."""
+    # One gather per statistic: a [R, n, k] gather would cost k times the memory and, in
+    # practice, is slower than k gathers of one column each.
+    sums = [column[indices].sum(axis=1) for column in statistics.T]
+    return np.stack(sums, axis=-1) / indices.shape[1]
+
+
+def _check_statistics(name: str, x: object) -> np.ndarray:
+    arr = np.asarray(x, dtype=np.float64)
+    if arr.ndim == 1:  # one statistic per item
+        arr = arr[:, None]
+    if arr.ndim != 2 or arr.shape[0] == 0:
+        raise ValueError(f"{name} must be [num_items, num_statistics], got shape {arr.shape}")
+    if not np.all(np.isfinite(arr)):
+        raise ValueError(f"{name} contains non-finite values")
+    return arr
+
+
+def _percentile_interval(samples: np.ndarray, confidence: float) -> tuple[float, float]:
+    low, high = np.quantile(samples, [(1 - confidence) / 2, (1 + confidence) / 2])
+    return float(low), float(high)
+
+
+def paired_bootstrap(
+    metric: Callable[[np.ndarray], np.ndarray],
+    a: object,
+    b: object,
+    num_bootstrap: int = 2000,
+    seed: int = 0,
+    confidence: float = 0.95,
+    chunk: int | None = None,
+) -> dict:
+    """Paired bootstrap over items of metric(B) - metric(A), two runs scored on the same items.
+
+    `a` and `b` are per-item statistics [n, k] (row i: item i in each run), and `metric` maps
+    their means over items [..., k] to the metric [...], e.g. accuracy from [correct] or F1
+    from the confusion indicators [tp, fp, fn, tn]; every yes/no metric is such a function.
+    Each resample draws n items with replacement (`bootstrap_indices`) and scores both runs on
+    the same draw, so what the runs share (easy and hard items) cancels in the difference.
+
+    `chunk` resamples are scored at a time (default: as many as keep a chunk's item indices
+    within BOOTSTRAP_CHUNK_ITEMS); the numbers do not depend on it.
+
+    Returns a, b and difference (the observed values), a_interval, b_interval and
+    difference_interval (percentile intervals at `confidence` of the resampled values),
+    p_value and num_bootstrap. The p-value is two-sided for H0 "no difference", by the
+    bootstrap's distribution shifted to the null (Efron and Tibshirani, 1993, ch. 16):
+    (1 + #{|d_b - d| >= |d|}) / (1 + B), with d the observed difference and d_b a resample's.
+    """
+    a, b = _check_statistics("a", a), _check_statistics("b", b)
+    if a.shape != b.shape:
+        raise ValueError(
+            f"a and b must be paired statistics of one shape, got {a.shape} and {b.shape}"
+        )
+    confidence = _check_confidence(confidence)
+    observed_a, observed_b = (float(metric(x.mean(axis=0))) for x in (a, b))
+    difference = observed_b - observed_a
+    both = np.concatenate([a, b], axis=1)
+    k = a.shape[1]
+    if chunk is None:
+        chunk = max(1, BOOTSTRAP_CHUNK_ITEMS // len(a))
+    resampled_a, resampled_b = [], []
+    for indices in bootstrap_indices(len(a), num_bootstrap, seed, chunk):
+        means = _resampled_means(indices, both)
+        resampled_a.append(metric(means[:, :k]))
+        resampled_b.append(metric(means[:, k:]))
+    samples_a, samples_b = np.concatenate(resampled_a), np.concatenate(resampled_b)
+    differences = samples_b - samples_a
+    extreme = int(np.sum(np.abs(differences - difference) >= abs(difference)))
+    return {
+        "a": observed_a,
+        "b": observed_b,
+        "difference": difference,
+        "a_interval": _percentile_interval(samples_a, confidence),
+        "b_interval": _percentile_interval(samples_b, confidence),
+        "difference_interval": _percentile_interval(differences, confidence),
+        "p_value": (1 + extreme) / (1 + len(differences)),
+        "num_bootstrap": len(differences),
+    }

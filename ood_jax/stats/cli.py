@@ -103,7 +103,8 @@ def add_parsers(subparsers):
         description=help_text.fill(
             "The checks behind OODBench's claim that its data is OOD: binomial bounds on the "
             "share of models that see it as OOD, MMD equivalence of train-OOD and val-OOD, and "
-            "the Hard-vs-OOD variance, correlation and resampling tests on accuracy drops."
+            "the Hard-vs-OOD variance, correlation and resampling tests on accuracy drops; "
+            "and McNemar's exact test of two models on the same items."
         ),
         epilog=help_text.examples(CLOPPER_PEARSON_EXAMPLE, DROPS_EXAMPLE, F_TEST_EXAMPLE),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -113,8 +114,9 @@ def add_parsers(subparsers):
     q = add_command(
         sub,
         "clopper-pearson",
-        "exact binomial interval and Beta-posterior lower bound for K of N (e.g. 49 of 50 "
-        "models treat the data as OOD)",
+        "exact binomial (Clopper-Pearson) and Wilson intervals and the Beta-posterior lower "
+        "bound for K of N (e.g. 49 of 50 models treat the data as OOD, or 412 of 500 answers "
+        "right)",
         _stats_binomial,
         examples=[
             CLOPPER_PEARSON_EXAMPLE,
@@ -125,6 +127,17 @@ def add_parsers(subparsers):
     q.add_argument("n", type=int)
     q.add_argument("--confidence", type=probability, default=0.95)
     q.add_argument("--prior", choices=("uniform", "jeffreys"), default="uniform")
+
+    q = add_command(
+        sub,
+        "mcnemar",
+        "exact McNemar test of two models answering the same items: ONLY_A items only A got "
+        "right, ONLY_B only B (`ood-jax compare` counts them from two run directories)",
+        _stats_mcnemar,
+        examples=["ood-jax stats mcnemar 21 9"],
+    )
+    q.add_argument("only_a", type=count(0), help="items A answered right and B wrong")
+    q.add_argument("only_b", type=count(0), help="items B answered right and A wrong")
 
     q = add_command(
         sub,
@@ -297,12 +310,14 @@ def _stats_binomial(args: argparse.Namespace) -> dict:
     low, high = _call(stats.clopper_pearson, args.k, args.n, args.confidence)
     one_sided = _call(stats.clopper_pearson_lower, args.k, args.n, args.confidence)
     posterior = _call(stats.beta_posterior_bound, args.k, args.n, args.confidence, prior)
+    wilson_low, wilson_high = stats.wilson(args.k, args.n, args.confidence)
     result = {
         "k": args.k,
         "n": args.n,
         "confidence": args.confidence,
         "clopper_pearson": [low, high],
         "clopper_pearson_one_sided_lower": one_sided,
+        "wilson": [wilson_low, wilson_high],
         "beta_posterior_lower": posterior,
         "prior": args.prior,
     }
@@ -311,7 +326,18 @@ def _stats_binomial(args: argparse.Namespace) -> dict:
         f"{args.k} of {args.n} (share {args.k / args.n:.4f})",
         f"Clopper-Pearson two-sided {c} interval: [{low:.4f}, {high:.4f}]",
         f"Clopper-Pearson one-sided {c} lower bound: {one_sided:.4f}",
+        f"Wilson two-sided {c} interval: [{wilson_low:.4f}, {wilson_high:.4f}]",
         f"Beta posterior ({args.prior} prior) {c} lower bound: {posterior:.4f}",
+    ]
+    return emit(args, result, lines)
+
+
+def _stats_mcnemar(args: argparse.Namespace) -> dict:
+    p = _call(stats.mcnemar_exact, args.only_a, args.only_b)
+    result = {"only_a": args.only_a, "only_b": args.only_b, "p_value": p}
+    lines = [
+        f"{args.only_a} items only A got right, {args.only_b} only B: exact McNemar "
+        f"p = {p:.4g} (two-sided)"
     ]
     return emit(args, result, lines)
 
