@@ -323,8 +323,14 @@ def test_killed_mining_resumes_from_its_cache(tmp_path):
     _run([*argv, "--out", str(tmp_path / "plain.json")], FakeScorer())
 
     cache = ["--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "cached.json")]
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as interrupt:
         _run([*argv, *cache], FakeScorer(fail_after_batches=2))
+    # The one line ood_jax.cli prints says what was kept and how to continue.
+    assert str(interrupt.value) == (
+        f"image features computed so far are kept in {tmp_path / 'cache'}; "
+        f"{tmp_path / 'cached.json'} was not written; rerun the same command to continue from them"
+    )
+    assert not (tmp_path / "cached.json").exists()
     resumed = FakeScorer()
     _run([*argv, *cache], resumed)
     # Two shards of 3 were finished before the kill; only the other 4 images are encoded again.

@@ -48,6 +48,16 @@ OODG_EXAMPLE = (
 )
 
 
+def _interrupted(args: argparse.Namespace, out: str) -> KeyboardInterrupt:
+    """Ctrl-C while mining: the output is written whole at the end, so only a cache keeps work."""
+    if args.cache:
+        kept = f"image features computed so far are kept in {args.cache}"
+        how = "rerun the same command to continue from them"
+    else:
+        kept, how = "nothing kept", "rerun with --cache DIR to keep image features as they come"
+    return KeyboardInterrupt(f"{kept}; {out} was not written; {how}")
+
+
 def run_foci(args: argparse.Namespace, scorer_factory: ScorerFactory | None = None) -> None:
     from ood_jax.data import building
     from ood_jax.mining import foci
@@ -66,6 +76,8 @@ def run_foci(args: argparse.Namespace, scorer_factory: ScorerFactory | None = No
         )
     except (ValueError, building.BuildError) as e:
         raise _fail(e) from None
+    except KeyboardInterrupt:
+        raise _interrupted(args, args.out or "the options file") from None
     out = pathlib.Path(args.out) if args.out else source.root / source.options_file
     files.write_json_atomic(out, contents)
     print(
@@ -102,6 +114,8 @@ def run_oodbench(args: argparse.Namespace, scorer_factory: ScorerFactory | None 
         records = oodbench.split_records(pairs, scores, args.threshold, max_per_split, args.seed)
     except (ValueError, building.BuildError) as e:
         raise _fail(e) from None
+    except KeyboardInterrupt:
+        raise _interrupted(args, args.out or "splits.jsonl") from None
     out = pathlib.Path(args.out) if args.out else pathlib.Path(args.source) / "splits.jsonl"
     files.write_jsonl_atomic(out, records)
     labels = oodbench.assign_splits(scores, args.threshold)
