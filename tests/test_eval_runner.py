@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 from PIL import Image
+from scipy import stats as sps
 from sklearn import metrics as skm
 from test_clients import KEY, KEY_ENV, ChatServer, completion, image_parts, prompt_text
 
@@ -31,6 +32,12 @@ from ood_jax.eval.clients import OpenAIChatClient
 def run_cli(argv: list[str]):
     args = cli.build_parser().parse_args(argv)
     return args.run(args)
+
+
+def exact_interval(k: int, n: int) -> list[float]:
+    """The reference for every accuracy's interval: scipy's exact binomial interval."""
+    ci = sps.binomtest(k, n).proportion_ci(0.95, method="exact")
+    return [ci.low, ci.high]
 
 
 def h(text: str, salt: str = "") -> int:
@@ -178,8 +185,13 @@ def test_foci_run_with_a_flaky_server(foci_data, tmp_path, api_key, capsys):
     for config, rows in expected.items():
         assert per_dataset[config]["accuracy"] == pytest.approx(np.mean([c for _, c, _ in rows]))
         assert per_dataset[config]["num_items"] == len(rows)
+        right = sum(c for _, c, _ in rows)
+        assert per_dataset[config]["accuracy_ci"] == pytest.approx(exact_interval(right, len(rows)))
     all_rows = [row for rows in expected.values() for row in rows]
     assert results["accuracy"] == pytest.approx(np.mean([c for _, c, _ in all_rows]))
+    right = sum(c for _, c, _ in all_rows)
+    assert results["accuracy_ci"] == pytest.approx(exact_interval(right, n))
+    assert results["intervals"] == {"method": "clopper-pearson", "confidence": 0.95}
     assert results["average_accuracy"] == pytest.approx(
         np.mean([np.mean([c for _, c, _ in rows]) for rows in expected.values()])
     )
@@ -281,11 +293,14 @@ def test_rerun_refuses_another_model_and_a_corrupt_file(foci_data, tmp_path):
         runner.run(benchmark, OpenAIChatClient(server.url, "m1"), tmp_path, progress=False)
         with pytest.raises(runner.RunError, match="model: 'm1' there, 'm2' now"):
             runner.run(benchmark, OpenAIChatClient(server.url, "m2"), tmp_path, progress=False)
-        strict = tasks.make_benchmark(
-            "foci", data_dir=str(foci_data), config="custom", parse_mode="strict"
-        )
-        with pytest.raises(runner.RunError, match="parse_mode"):
-            runner.run(strict, OpenAIChatClient(server.url, "m1"), tmp_path, progress=False)
+        # Another parse mode is no other run: the stored replies are read again, nothing sent.
+        hits = server.hits
+        strict = runner.run(
+            benchmark, OpenAIChatClient(server.url, "m1"), tmp_path, progress=False,
+            parse_mode="strict",
+        )  # fmt: skip
+        assert server.hits == hits and strict["parse_mode"] == "strict"
+        assert json.loads((tmp_path / runner.RUN_FILE).read_text())["parse_mode"] == "strict"
         path = tmp_path / runner.PREDICTIONS_FILE
         lines = path.read_text().splitlines()
         lines[3] = lines[3][:20]  # a complete but broken line is corruption, not a torn tail
@@ -526,6 +541,8 @@ def test_yes_no_results_on_random_predictions_match_sklearn():
         assert results[split]["mcc"] == pytest.approx(skm.matthews_corrcoef(truth, predicted))
         assert results[split]["request_failures"] == sum(r["error"] is not None for r in group)
         assert results[split]["unanswered"] == sum(r["parsed"] is None for r in group)
+        right = sum(t == p for t, p in zip(truth, predicted))
+        assert results[split]["accuracy_ci"] == pytest.approx(exact_interval(right, len(group)))
 
 
 def bap_reply(text: str) -> str:
@@ -590,6 +607,13 @@ def test_bap_l_acc_needs_both_counts_and_the_logical_answer():
     assert got["e_acc"] == pytest.approx(1 / 2)
     assert got["c_acc"] == pytest.approx(6 / 7)
     assert got["bap"] == pytest.approx(9 / 12)
+    for metric, (k, n) in {
+        "l_acc": (1, 3),
+        "e_acc": (1, 2),
+        "c_acc": (6, 7),
+        "bap": (9, 12),
+    }.items():
+        assert got[f"{metric}_ci"] == pytest.approx(exact_interval(k, n))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -735,6 +759,8 @@ def test_counts_oodg_tables(tmp_path):
                 if any(mask):
                     assert cell["accuracy"] == pytest.approx(correct[mask].mean())
                     assert cell["count"] == sum(mask)
+                    k = int(correct[mask].sum())
+                    assert cell["accuracy_ci"] == pytest.approx(exact_interval(k, sum(mask)))
                 else:
                     assert cell is None
 
@@ -744,6 +770,9 @@ def test_counts_oodg_tables(tmp_path):
         per_box = [np.mean([(h(r["id"]) >> i) % 2 == 0 for i in range(4)]) for r in group]
         assert row["accuracy"] == pytest.approx(np.mean(per_box))
         assert row["exact_match"] == pytest.approx(np.mean([p == 1 for p in per_box]))
+        exact = sum(p == 1 for p in per_box)
+        assert row["exact_match_ci"] == pytest.approx(exact_interval(exact, len(group)))
+        assert "accuracy_ci" not in row  # boxes of one reply are no independent trials
 
     for (setting, ice), row in rows("localization").items():
         group = [r for r in items if r["task"] == "localization" and r["setting"] == setting

@@ -1,19 +1,26 @@
 """Reply parsing: option letters (strict and FOCI's rule), yes/no, COUNTS boxes and counts, and
-reasoning models' <think> blocks taken out first."""
+reasoning models' <think> blocks taken out first; and every parse mode over the shapes real
+replies take (the table the parser audit stands on)."""
+
+import string
 
 import pytest
 
 from ood_jax.eval.parsing import (
+    CHOICE_MODES,
     parse_boxes,
     parse_choice,
     parse_choice_or_option,
     parse_count,
     parse_final_yes_no,
+    parse_last_choice,
     parse_mapping,
     parse_option_text,
     parse_yes_no,
+    read_choice,
     split_think,
 )
+from ood_jax.eval.tasks import FociScoring
 
 COUNTS_REPLY = (
     "\u2014BEGIN FORMAT TEMPLATE\u2013\nAnswer Choice: [B]\n\u2014END FORMAT TEMPLATE\u2013"
@@ -245,3 +252,126 @@ def test_think_blocks_made_both_parse_modes_fail_until_split() -> None:
     assert parse_choice(reply, 4, "foci") is None
     answer, _ = split_think(reply)
     assert parse_choice(answer, 4, "strict") == parse_choice(answer, 4, "foci") == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# Every parse mode over the shapes real replies take
+# ---------------------------------------------------------------------------------------------
+
+# Options chosen so that names start with other options' letters: Dalmatian is A, Abyssinian D.
+BREEDS = ["Dalmatian", "Bengal", "Chihuahua", "Abyssinian"]
+A, B, C, D = range(4)
+JUDGE = "judge"  # the judge mode asks the judge: no rule reads the reply
+
+# (shape, reply, foci, strict, last, judge): the option each mode reads (None: no answer).
+# The judge mode reads what strict reads, and sends the judge only what no rule reads.
+REPLY_SHAPES = [
+    ("letter", "B", B, B, B, B),
+    ("lower-case letter, full stop", "b.", B, B, B, B),
+    ("letter in parentheses", "(B)", None, B, B, B),
+    ("letter in markdown bold", "**B**", None, B, B, B),
+    ("answer label", "Answer: B", A, B, B, B),
+    ("a sentence naming the letter", "The correct answer is (B)", None, B, B, B),
+    ("letter and option", "B. Bengal", B, B, B, B),
+    ("option text, its own letter", "Bengal", B, B, B, B),
+    ("option text, another option's letter", "Abyssinian", A, D, D, D),
+    ("option text, another option's letter", "Dalmatian", D, A, A, A),
+    ("a sentence opening with another letter", "Based on the image, the answer is (C).", B, C, C, C),
+    ("option named inside a sentence", "Based on the fur pattern, it is a Bengal.", B, None, None, JUDGE),
+    ("labelled option text", "Step 1: the coat is spotted.\nFinal answer: Dalmatian", None, A, A, A),
+    (
+        "chain-of-thought over every option, then the answer",
+        "Let me compare. (A) Dalmatian: spotted, no. (D) Abyssinian: ticked, close. "
+        "(B) Bengal: rosettes match. The answer is B.",
+        None, None, B, JUDGE,
+    ),
+    ("chain-of-thought, the letter last", "The coat has rosettes.\nB", None, None, B, JUDGE),
+    (
+        "chain-of-thought without a verdict",
+        "(A) Dalmatian: no.\n(D) Abyssinian: close.\n(B) Bengal: rosettes match.",
+        None, None, None, JUDGE,
+    ),
+    ("a changed mind", "Answer: A\nAnswer: B", A, None, B, JUDGE),
+    ("the answer, then a discussion", "The answer is B. (A) is wrong because", None, None, B, JUDGE),
+    ("two letters", "(A) or (B)", None, None, None, JUDGE),
+    ("two options named", "Dalmatian or Bengal?", D, None, None, JUDGE),
+    ("refusal", "I'm sorry, but I can't identify breeds from images.", None, None, None, JUDGE),
+    ("refusal opening with a letter", "As an AI, I cannot view images.", A, None, None, JUDGE),
+    ("a letter beyond the options", "E", None, None, None, JUDGE),
+    ("empty", "", None, None, None, None),
+    ("blank", "  \n ", None, None, None, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "reply, foci, strict, last",
+    [row[1:5] for row in REPLY_SHAPES],
+    ids=[r[0] for r in REPLY_SHAPES],
+)
+def test_every_rule_mode_over_real_reply_shapes(reply, foci, strict, last):
+    expected = {"foci": foci, "strict": strict, "last": last}
+    assert {mode: read_choice(reply, BREEDS, mode) for mode in CHOICE_MODES} == expected
+
+
+class AskedVerdicts:
+    """A judge that names option C for whatever it is asked, and remembers the asking."""
+
+    def __init__(self):
+        self.asked = []
+
+    def identity(self):
+        return {"model": "judge", "prompt_version": "test"}
+
+    def lookup(self, options, reply):
+        self.asked.append(reply)
+        return True, C
+
+
+@pytest.mark.parametrize(
+    "reply, judge", [(row[1], row[5]) for row in REPLY_SHAPES], ids=[r[0] for r in REPLY_SHAPES]
+)
+def test_the_judge_mode_asks_only_about_what_no_rule_reads(reply, judge):
+    verdicts = AskedVerdicts()
+    scoring = FociScoring().reading("judge", verdicts)
+    meta = {"options": BREEDS, "answer": B}
+    parsed, correct = scoring.score(meta, reply)
+    if judge == JUDGE:
+        assert verdicts.asked == [reply] and parsed == C and correct is False
+    else:
+        assert verdicts.asked == [] and parsed == judge
+    record = {"error": None, "reply": reply, "meta": meta}
+    assert (scoring.needs_judge(record) is not None) == (judge == JUDGE)
+
+
+def test_the_two_pitfalls_of_the_first_letter_rule():
+    # "The correct answer is (B)" is B to every mode but FOCI's, which reads the "T" it opens
+    # with wherever there are 20 options or more; "Based on..." is a lucky B to FOCI's rule.
+    many = [f"option {k}" for k in range(26)]
+    reply = "The correct answer is (B)"
+    assert [read_choice(reply, many, mode) for mode in ("strict", "last")] == [B, B]
+    assert read_choice(reply, many, "foci") == string.ascii_uppercase.index("T")
+    assert read_choice(reply, BREEDS, "foci") is None
+    lucky = "Based on the shape of the ears, I cannot tell."
+    assert read_choice(lucky, BREEDS, "foci") == B
+    assert read_choice(lucky, BREEDS, "strict") is read_choice(lucky, BREEDS, "last") is None
+
+
+@pytest.mark.parametrize(
+    "reply, expected",
+    [
+        ("The answer is **C**.", C),
+        ("answer is: (D) Abyssinian", D),
+        ("I considered (A).\nFinal answer: Bengal", B),
+        ("The answer is a Dalmatian", None),  # "a" is an article, not option A
+        ("Answer: E", None),  # beyond the options
+        ("Answer: Your Answer Here", None),
+        ("chihuahua", C),
+    ],
+)
+def test_parse_last_choice(reply, expected):
+    assert parse_last_choice(reply, BREEDS) == expected
+
+
+def test_read_choice_rejects_an_unknown_mode():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        read_choice("A", BREEDS, "judge")

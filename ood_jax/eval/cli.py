@@ -1,8 +1,11 @@
-"""`ood-jax eval-mllm` (MLLM evaluation, resumable) and FOCI's `ood-jax stats clip-conditional`.
+"""`ood-jax eval-mllm` (MLLM evaluation, resumable), `ood-jax rescore` (its results again from the
+stored replies) and FOCI's `ood-jax stats clip-conditional`.
 
 `add_parsers(subparsers)` adds `eval-mllm` to the `ood-jax` parser: a task of ood_jax.eval.tasks,
 asked through a client of ood_jax.eval.clients by ood_jax.eval.runner (or answered by
-ood_jax.eval.clip_baseline with --clip). `add_stats_parsers(commands)` adds `clip-conditional`
+ood_jax.eval.clip_baseline with --clip), with a judge of ood_jax.eval.judge for --parse-mode
+judge; and `rescore`, which re-scores a run directory by ood_jax.eval.rescore, sending nothing.
+`add_stats_parsers(commands)` adds `clip-conditional`
 to the checks of `ood-jax stats` (ood_jax.stats.cli), since it reads eval-mllm run directories.
 Each subcommand's `run` takes the parsed arguments.
 
@@ -20,7 +23,7 @@ import pathlib
 import sys
 
 from ood_jax import help_text
-from ood_jax.eval import clients, interleaving, probe, runner, tasks
+from ood_jax.eval import clients, interleaving, judge, probe, rescore, runner, tasks
 from ood_jax.stats import cli as stats_cli
 
 
@@ -30,8 +33,8 @@ EXIT_CODES = (
     "exit status:\n"
     "  0    the run is complete: every item has a reply\n"
     "  1    a usage or data error, or the preflight failed (one error: line)\n"
-    f"  {EXIT_INCOMPLETE}    the run finished with failed requests; rerun the same command to "
-    "retry them\n"
+    f"  {EXIT_INCOMPLETE}    the run finished with failed requests (or judge requests); rerun "
+    "the same command to retry them\n"
     f"  {EXIT_STOPPED}    stopped early: --max-consecutive-failures items in a row failed the "
     "same way\n"
     "  130  interrupted (Ctrl-C); rerun the same command to continue"
@@ -72,6 +75,7 @@ def fix_for(kind: str) -> str:
 
 def add_parsers(subparsers) -> None:
     _add_eval_mllm(subparsers)
+    _add_rescore(subparsers)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,7 +97,10 @@ def _add_eval_mllm(subparsers) -> None:
             "reasoning, token usage, latency and attempts, and the results count replies "
             "answered, truncated, refused, empty and failed. A run stops early when "
             "--max-consecutive-failures items in a row fail the same way; the exit status says "
-            "how it went."
+            "how it went. Replies are read under --parse-mode, which is not part of the run's "
+            "identity: a rerun with another mode, or `ood-jax rescore OUTPUT`, reads the stored "
+            "replies again and asks the model nothing; results.md ends with a parser audit of "
+            "every mode, and every accuracy has an exact 95% interval."
         ),
         epilog=help_text.examples(
             "ood-jax eval-mllm foci --data-dir data/tfds --config food101 \\\n"
@@ -108,6 +115,10 @@ def _add_eval_mllm(subparsers) -> None:
             "https://api.openai.com/v1 \\\n      --model o4-mini --token-param "
             "max_completion_tokens --temperature none --max-tokens 2048 \\\n      "
             '--extra-body \'{"reasoning_effort": "low"}\' --output runs/foci_o4mini',
+            "ood-jax eval-mllm foci --data-dir data/tfds --config food101 --endpoint "
+            "http://127.0.0.1:8000/v1 \\\n      --model Qwen/Qwen2-VL-7B-Instruct --output "
+            "runs/foci_qwen --parse-mode judge \\\n      --judge-endpoint "
+            "http://127.0.0.1:8001/v1 --judge-model Qwen/Qwen2.5-7B-Instruct",
         )
         + "\n\n"
         + EXIT_CODES,
@@ -248,8 +259,31 @@ def _add_eval_mllm(subparsers) -> None:
     p.add_argument(
         "--parse-mode",
         choices=tasks.PARSE_MODES,
-        default="foci",
-        help="foci: FOCI's rule (the reply begins with the letter, default) or strict",
+        help="how multiple-choice replies are read (foci and counts-oodg): foci, FOCI's rule "
+        "(the reply begins with the letter; foci's default); strict, a letter standing alone "
+        "or an option named in full (counts-oodg's default); last, the last choice the reply "
+        "states (chain-of-thought); judge, strict and then --judge-model for what no rule "
+        "reads. Not part of the run's identity: another mode re-reads the stored replies and "
+        "asks the model nothing (default: the mode OUTPUT's results were last written with)",
+    )
+    judging = p.add_argument_group("the judge (--parse-mode judge)")
+    judging.add_argument(
+        "--judge-endpoint",
+        help="OpenAI-compatible base URL of the judge model, asked only about replies no rule "
+        "reads; its verdicts are kept in OUTPUT/judge.jsonl",
+    )
+    judging.add_argument("--judge-model", help="the judge's model name at --judge-endpoint")
+    judging.add_argument(
+        "--judge-api-key-env",
+        default=clients.DEFAULT_API_KEY_ENV,
+        help="environment variable holding the judge's API key (default OPENAI_API_KEY)",
+    )
+    judging.add_argument(
+        "--judge-max-tokens",
+        type=int,
+        default=judge.DEFAULT_MAX_TOKENS,
+        help=f"the judge's generation budget (default {judge.DEFAULT_MAX_TOKENS}: one letter; "
+        "more for a reasoning judge); part of the judge's identity",
     )
     p.add_argument(
         "--templates",
@@ -296,6 +330,14 @@ def _check_eval_arguments(args: argparse.Namespace) -> None:
         raise _fail("--endpoint needs --model (the name the server knows the model by)")
     if args.templates and not args.clip:
         raise _fail("--templates applies to --clip only")
+    if bool(args.judge_endpoint) != bool(args.judge_model):
+        raise _fail("a judge needs both --judge-endpoint and --judge-model")
+    if args.judge_endpoint and args.parse_mode != tasks.JUDGE_MODE:
+        raise _fail("--judge-endpoint and --judge-model apply to --parse-mode judge only")
+    if args.parse_mode == tasks.JUDGE_MODE and not args.judge_endpoint:
+        raise _fail("--parse-mode judge needs --judge-endpoint and --judge-model")
+    if args.judge_endpoint and args.clip:
+        raise _fail("--clip answers with letters: it needs no judge")
     args.extra_body = _extra_body(args.extra_body)
     if not args.endpoint:
         for flag, given in (
@@ -314,6 +356,7 @@ def _check_eval_arguments(args: argparse.Namespace) -> None:
         ("--retry-budget", args.retry_budget, 0),
         ("--max-consecutive-failures", args.max_consecutive_failures, 0),
         ("--batch-size", args.batch_size, 1),
+        ("--judge-max-tokens", args.judge_max_tokens, 1),
     ):
         if value is not None and value < least:
             raise _fail(f"{flag} must be at least {least}, got {value}")
@@ -328,24 +371,37 @@ def _make_client(args: argparse.Namespace, max_tokens: int):
         return clients.TransformersClient(
             args.local, max_new_tokens=max_tokens, task=args.benchmark
         )
+    return _http_client(
+        args,
+        args.endpoint,
+        args.model,
+        args.api_key_env,
+        max_tokens=max_tokens,
+        token_param=args.token_param,
+        temperature=args.temperature,
+        extra_body=args.extra_body,
+    )
+
+
+def _http_client(
+    args: argparse.Namespace, endpoint: str, model: str, api_key_env: str, **options
+) -> clients.OpenAIChatClient:
+    """An endpoint's client with the run's load options, its model checked (the preflight)."""
     try:
         client = clients.OpenAIChatClient(
-            args.endpoint,
-            args.model,
-            max_tokens=max_tokens,
-            api_key_env=args.api_key_env,
+            endpoint,
+            model,
+            api_key_env=api_key_env,
             timeout_s=args.timeout,
             max_attempts=args.max_attempts,
             backoff_base_s=args.backoff,
             max_retry_after_s=args.max_retry_after,
-            token_param=args.token_param,
-            temperature=args.temperature,
-            extra_body=args.extra_body,
+            **options,
         )
     except ValueError as e:
         raise _fail(str(e)) from None
     if not client.has_api_key:
-        print(f"note: ${args.api_key_env} is not set; sending no API key", file=sys.stderr)
+        print(f"note: ${api_key_env} is not set; sending no API key", file=sys.stderr)
     if not args.no_model_check:
         try:
             note = client.check_model()
@@ -354,6 +410,20 @@ def _make_client(args: argparse.Namespace, max_tokens: int):
         if note:
             print(f"note: {note}", file=sys.stderr)
     return client
+
+
+def _make_judge(args: argparse.Namespace) -> judge.Judge | None:
+    """The judge of --parse-mode judge (greedy, one letter), keeping its verdicts in OUTPUT."""
+    if not args.judge_endpoint:
+        return None
+    client = _http_client(
+        args,
+        args.judge_endpoint,
+        args.judge_model,
+        args.judge_api_key_env,
+        max_tokens=args.judge_max_tokens,
+    )
+    return judge.Judge(client, args.output, concurrency=args.concurrency)
 
 
 def run_eval_mllm(args: argparse.Namespace) -> dict:
@@ -367,10 +437,19 @@ def run_eval_mllm(args: argparse.Namespace) -> dict:
             setting=args.setting,
             ice=args.ice,
             task=args.task,
-            parse_mode=args.parse_mode,
         )
     except ValueError as e:
         raise _fail(str(e)) from None
+    if args.parse_mode and args.parse_mode not in benchmark.parse_modes:
+        readable = ", ".join(
+            b for b in tasks.BENCHMARKS if tasks.scoring_for({"benchmark": b}).parse_modes
+        )
+        raise _fail(
+            f"--parse-mode applies to {readable}: {args.benchmark} reads its replies one way"
+            if not benchmark.parse_modes
+            else f"{args.benchmark} reads replies under --parse-mode "
+            f"{', '.join(benchmark.parse_modes)}, not {args.parse_mode}"
+        )
     progress = not args.no_progress
     try:
         if args.clip:
@@ -388,6 +467,8 @@ def run_eval_mllm(args: argparse.Namespace) -> dict:
                 max_consecutive_failures=args.max_consecutive_failures,
                 strip_think=args.strip_think,
                 warnings=_interleaving_warnings(args, benchmark),
+                parse_mode=args.parse_mode,
+                judge=_make_judge(args),
             )
     except (runner.RunError, tasks.ItemsError, FileNotFoundError) as e:
         raise _fail(str(e)) from None
@@ -413,12 +494,22 @@ def run_eval_mllm(args: argparse.Namespace) -> dict:
         )
     _note_outcomes(results)
     if not results["complete"]:
-        print(
-            f"{results['outcomes']['error']} of {results['num_items']} items failed; rerun the "
-            "same command to retry them "
-            f"(details in {pathlib.Path(args.output) / runner.PREDICTIONS_FILE})",
-            file=sys.stderr,
-        )
+        failed = results["outcomes"]["error"]
+        if failed:
+            print(
+                f"{failed} of {results['num_items']} items failed; rerun the "
+                "same command to retry them "
+                f"(details in {pathlib.Path(args.output) / runner.PREDICTIONS_FILE})",
+                file=sys.stderr,
+            )
+        unjudged = results.get("judge", {}).get("without_verdict", 0)
+        if unjudged:
+            print(
+                f"{unjudged} replies have no verdict: their judge requests failed; rerun the "
+                "same command to retry them "
+                f"(details in {pathlib.Path(args.output) / judge.JUDGE_FILE})",
+                file=sys.stderr,
+            )
         raise SystemExit(EXIT_INCOMPLETE)
     return results
 
@@ -486,7 +577,72 @@ def _run_clip(args: argparse.Namespace, benchmark: tasks.Benchmark, progress: bo
         batch_size=args.batch_size,
         limit=args.limit,
         progress=progress,
+        parse_mode=args.parse_mode,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# rescore
+# ---------------------------------------------------------------------------------------------
+
+
+def _add_rescore(subparsers) -> None:
+    p = subparsers.add_parser(
+        "rescore",
+        help="an eval-mllm run's results again from its stored replies, under any parse "
+        "modes (sends nothing)",
+        description=help_text.fill(
+            "Reads RUN_DIR/predictions.jsonl and computes the results again with the code "
+            "eval-mllm uses, sending nothing to any model. Under the run's own parse mode (the "
+            "default) they replace RUN_DIR/results.json and results.md; under another mode they "
+            "go beside them, to results.MODE.json and results.MODE.md; with --out, all of them "
+            "go to OUT and RUN_DIR is left as it was. Each results.md ends with the parser "
+            "audit: per parse mode, the replies it cannot read, those it reads differently and "
+            "the headline number it gives. --parse-mode judge reads the verdicts "
+            "RUN_DIR/judge.jsonl keeps from the run's judge."
+        ),
+        epilog=help_text.examples(
+            "ood-jax rescore runs/foci_qwen",
+            "ood-jax rescore runs/foci_qwen --parse-mode strict last",
+            "ood-jax rescore runs/oodg --parse-mode last --out runs/oodg_last",
+            "ood-jax rescore runs/oodg --limit 20 --json",
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="an eval-mllm --output directory")
+    p.add_argument(
+        "--parse-mode",
+        nargs="+",
+        choices=tasks.PARSE_MODES,
+        default=[],
+        metavar="MODE",
+        help=f"parse modes to score under ({', '.join(tasks.PARSE_MODES)}; default: the run's)",
+    )
+    p.add_argument("--out", help="write the results here instead of RUN_DIR")
+    p.add_argument(
+        "--limit",
+        type=int,
+        help="re-score the results of an eval-mllm --limit N run (results.limitN.json)",
+    )
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.set_defaults(run=run_rescore)
+
+
+def run_rescore(args: argparse.Namespace) -> list[dict]:
+    if args.limit is not None and args.limit < 0:
+        raise _fail(f"--limit must be at least 0, got {args.limit}")
+    try:
+        written = rescore.rescore(args.run_dir, args.parse_mode, args.out, args.limit)
+    except (runner.RunError, FileNotFoundError) as e:
+        raise _fail(str(e)) from None
+    if args.json:
+        print(json.dumps({str(path): results for _, path, results, _ in written}, indent=2))
+    else:
+        for k, (mode, path, _, markdown) in enumerate(written):
+            mode_note = f" (parse mode {mode})" if mode else ""
+            print(("\n" if k else "") + f"# {path}{mode_note}\n")
+            print(markdown.rstrip("\n"))
+    return [results for _, _, results, _ in written]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,6 +5,14 @@ letter, any case), kept to reproduce its numbers: it reads "Bengal" as B. "stric
 only where it stands as a token of its own, so free text that merely starts with a letter is no
 answer, and a reply naming two different letters is ambiguous. Both return None for no answer.
 
+`read_choice` reads a multiple-choice reply under one of CHOICE_MODES, knowing the options:
+  foci    FOCI's rule, as `parse_choice(mode="foci")`;
+  strict  a strict letter, else the whole answer naming one option (`parse_choice_or_option`);
+  last    the last answer the reply states (`parse_last_choice`), for chain-of-thought replies
+          that weigh several options before they settle on one.
+(The tasks add a fourth mode, "judge": strict, then a judge model for what no rule reads;
+ood_jax.eval.judge.)
+
 `split_think` takes a reasoning model's `<think>...</think>` text out of a reply before any of
 the parsers read it.
 """
@@ -154,7 +162,12 @@ def parse_option_text(text: str, options: Sequence[str]) -> int | None:
     two options share.
     """
     labelled = _ANSWER_LABEL.findall(text)
-    answer = (labelled[-1] if labelled else text).strip(_WRAPPING).casefold()
+    return _named_option(labelled[-1] if labelled else text, options)
+
+
+def _named_option(text: str, options: Sequence[str]) -> int | None:
+    """The one option whose whole name `text` is, wrapping stripped; None for none or two."""
+    answer = text.strip(_WRAPPING).casefold()
     matches = [i for i, option in enumerate(options) if option.strip().casefold() == answer]
     return matches[0] if len(matches) == 1 else None
 
@@ -163,6 +176,73 @@ def parse_choice_or_option(text: str, options: Sequence[str]) -> int | None:
     """A strict option letter, or failing that an option named in full (`parse_option_text`)."""
     letter = parse_choice(text, len(options), mode="strict")
     return letter if letter is not None else parse_option_text(text, options)
+
+
+# An answer label, and what may follow it on its line: "Answer: D", "The correct answer is (B)",
+# "Final answer: **C**", "Answer Choice: [B]". As in strict mode, a bare letter must meet
+# punctuation or the line's end, so "the answer is a dog" states no "A".
+_LABEL = re.compile(r"\banswer(?:\s+choice)?[ \t]*(?:is[ \t]*)?[:\-]?[ \t]*", re.IGNORECASE)
+_LABELLED_LETTER = re.compile(
+    r"[*_]*(?:[\(\[]([a-z])[\)\]]|([a-z])(?=[*_]*(?:[\.\),:;]|[ \t]*$)))", re.IGNORECASE
+)
+# Strict mode's letter shapes, read line by line: a line that is one letter, a line led by "(C)"
+# or "C.", and a bracketed letter anywhere.
+_LINE_LETTERS = (_STRICT_PATTERNS[0], _STRICT_PATTERNS[1], _STRICT_PATTERNS[2], _STRICT_PATTERNS[4])
+
+
+def parse_last_choice(text: str, options: Sequence[str]) -> int | None:
+    """The last choice a reply states: for chain-of-thought replies, which weigh the options
+    before they settle on one.
+
+    A choice is stated after an answer label (a letter, or an option's whole name up to the end
+    of the line), and the last labelled one counts: "Answer: A ... Answer: B" chose B. Without
+    a label, the lines are read by strict mode's letter shapes (a line that is one letter, a
+    line led by "(C)" or "C.", a bracketed letter anywhere) and a line that is an option's
+    whole name counts too; they must all name the same option, since a reply that goes through
+    "(A) ...", "(B) ..." without saying which it picks chose nothing a rule can tell. Letters
+    beyond the options state nothing.
+    """
+    if not 1 <= len(options) <= len(_LETTERS):
+        raise ValueError(f"options must number 1 to 26, got {len(options)}")
+    labelled: list[int] = []
+    unlabelled: set[int] = set()
+    for line in text.splitlines():
+        for label in _LABEL.finditer(line):
+            rest = line[label.end() :]
+            letter = _LABELLED_LETTER.match(rest)
+            if letter is not None:
+                index = _LETTERS.index((letter.group(1) or letter.group(2)).upper())
+            else:
+                index = _named_option(rest, options)
+            if index is not None and index < len(options):
+                labelled.append(index)
+        stated = {
+            _LETTERS.index(next(g for g in match.groups() if g).upper())
+            for pattern in _LINE_LETTERS
+            for match in pattern.finditer(line)
+        }
+        stated = {index for index in stated if index < len(options)}
+        named = _named_option(line, options)
+        if named is not None:
+            stated.add(named)
+        unlabelled |= stated
+    if labelled:
+        return labelled[-1]
+    return unlabelled.pop() if len(unlabelled) == 1 else None
+
+
+CHOICE_MODES = ("foci", "strict", "last")
+
+
+def read_choice(text: str, options: Sequence[str], mode: str) -> int | None:
+    """The option a multiple-choice reply chooses under `mode` (CHOICE_MODES), or None."""
+    if mode == "foci":
+        return parse_choice(text, len(options), mode="foci")
+    if mode == "strict":
+        return parse_choice_or_option(text, options)
+    if mode == "last":
+        return parse_last_choice(text, options)
+    raise ValueError(f"mode must be one of {CHOICE_MODES}, got {mode!r}")
 
 
 _NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)"

@@ -24,6 +24,19 @@ same DIR:
 When every item of the run has been handled the file is rewritten (atomically) with one line per
 item, the run's items first; records of items outside the run (beyond a --limit) are kept.
 
+Replies are read under a parse mode (ood_jax.eval.tasks.base.PARSE_MODES, for the tasks that
+have them), which is not part of the run's identity: the stored reply is what the model said, so
+a rerun with another mode re-reads every stored reply and asks the model nothing. DIR/run.json
+records the mode the results were last written with ("parse_mode", beside the identity); a rerun
+without a mode keeps it, and a run directory written when the mode was part of the identity reads
+its stored mode the same way. At the end of each run every record's parsed answer and verdict are
+read again under the run's mode, so predictions.jsonl and the results always agree. The judge
+mode first asks a judge (ood_jax.eval.judge) about every reply no rule reads whose verdict
+DIR/judge.jsonl does not keep yet; the judge is then part of the run's identity (run.json
+"judge"). `build_results` is the one place results are made, for a run and for
+`ood-jax rescore` (ood_jax.eval.rescore): the task's tables with exact intervals, the judge's
+count and the parser audit (ood_jax.eval.tasks.audit).
+
 Results are written atomically at the end of every run. A run over every item writes
 results.json and results.md. A run with `limit=N` that leaves items out writes
 results.limitN.json and results.limitN.md beside them, never over them: they hold "limit": N,
@@ -69,7 +82,8 @@ from ood_jax.eval.clients import (
     Request,
     RunControl,
 )
-from ood_jax.eval.tasks.base import Benchmark, Item
+from ood_jax.eval.tasks import audit
+from ood_jax.eval.tasks.base import INTERVALS, JUDGE_MODE, Benchmark, Item, Scoring, scored
 
 PREDICTIONS_FILE = "predictions.jsonl"
 RUN_FILE = "run.json"
@@ -87,14 +101,18 @@ LEGACY_IDENTITY = {
     "extra_body": {},
     "strip_think": False,
 }
+# What run.json holds beside the identity: how the replies are read. The parse mode was part of
+# the identity of older runs; it is now only the mode the results were last written with.
+SCORING_KEYS = ("parse_mode", "judge")
 
 
-def results_files(limit: int | None = None) -> tuple[str, str]:
+def results_files(limit: int | None = None, parse_mode: str | None = None) -> tuple[str, str]:
     """(json, markdown) file names of a run's results: results.* for a run over every item,
-    results.limitN.* for one over the first N only (`limit`: the "limit" of its results)."""
-    if limit is None:
-        return RESULTS_JSON, RESULTS_MD
-    return f"results.limit{limit}.json", f"results.limit{limit}.md"
+    results.limitN.* for one over the first N only (`limit`: the "limit" of its results);
+    `parse_mode`: results re-scored under a mode other than the run's, results[.limitN].MODE.*."""
+    stem = "results" + (f".limit{limit}" if limit is not None else "")
+    stem += f".{parse_mode}" if parse_mode is not None else ""
+    return f"{stem}.json", f"{stem}.md"
 
 
 class RunError(ValueError):
@@ -186,31 +204,86 @@ class PredictionStore:
         files.write_atomic(self.path, text)
 
 
-def _check_run_file(directory: pathlib.Path, identity: dict) -> None:
+def read_run_file(directory: pathlib.Path) -> dict | None:
+    """DIR/run.json, or None where there is none yet."""
     path = directory / RUN_FILE
-    if path.exists():
-        try:
-            previous = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise RunError(f"{path}: malformed JSON ({e.msg})") from None
-        if not isinstance(previous, dict):
-            raise RunError(f"{path}: not a JSON object")
-        previous = {
-            **{k: v for k, v in LEGACY_IDENTITY.items() if k in identity},
-            **previous,
-        }
-        differs = sorted(
-            k for k in identity.keys() | previous.keys() if identity.get(k) != previous.get(k)
+    if not path.exists():
+        return None
+    try:
+        run = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise RunError(f"{path}: malformed JSON ({e.msg})") from None
+    if not isinstance(run, dict):
+        raise RunError(f"{path}: not a JSON object")
+    return run
+
+
+def run_identity(run: dict) -> dict:
+    """The identity in a run.json: what a rerun must match (the scoring keys left out)."""
+    return {k: v for k, v in run.items() if k not in SCORING_KEYS}
+
+
+def _check_run_file(directory: pathlib.Path, identity: dict) -> dict | None:
+    """The stored run.json (None when new), after checking that it holds this run's identity."""
+    stored = read_run_file(directory)
+    if stored is None:
+        return None
+    previous = {
+        **{k: v for k, v in LEGACY_IDENTITY.items() if k in identity},
+        **run_identity(stored),
+    }
+    differs = sorted(
+        k for k in identity.keys() | previous.keys() if identity.get(k) != previous.get(k)
+    )
+    if differs:
+        detail = ", ".join(
+            f"{k}: {previous.get(k)!r} there, {identity.get(k)!r} now" for k in differs
         )
-        if differs:
-            detail = ", ".join(
-                f"{k}: {previous.get(k)!r} there, {identity.get(k)!r} now" for k in differs
-            )
-            raise RunError(
-                f"{directory} holds predictions of another run ({detail}); use another --output"
-            )
-    else:
-        files.write_atomic(path, json.dumps(identity, indent=2) + "\n")
+        raise RunError(
+            f"{directory} holds predictions of another run ({detail}); use another --output"
+        )
+    return stored
+
+
+class Judge(Protocol):
+    """What a run asks of the judge mode's judge (ood_jax.eval.judge.Judge): its identity, the
+    verdicts it keeps, and `complete`, which asks it about the replies still without one."""
+
+    verdicts: Any
+
+    def identity(self) -> dict: ...
+
+    def complete(self, scoring: Scoring, records: Sequence[dict], progress: bool) -> None: ...
+
+
+def _scoring_mode(
+    directory: pathlib.Path,
+    benchmark: Benchmark,
+    stored: dict | None,
+    parse_mode: str | None,
+    judge: Judge | None,
+) -> Scoring:
+    """The benchmark reading replies under the run's mode: `parse_mode`, else the mode the
+    directory's results were last written with, else the benchmark's default."""
+    mode = parse_mode or (stored or {}).get("parse_mode") or benchmark.parse_mode
+    if mode == JUDGE_MODE and judge is None:
+        origin = "--parse-mode judge" if parse_mode else f"{directory / RUN_FILE} says so"
+        raise RunError(
+            f"replies are read under parse mode judge ({origin}): that needs a judge "
+            "(--judge-endpoint and --judge-model), or pick another --parse-mode"
+        )
+    if judge is not None and mode != JUDGE_MODE:
+        raise ValueError(f"a judge applies to parse mode judge only, not {mode!r}")
+    kept = (stored or {}).get("judge")
+    if judge is not None and kept is not None and kept != judge.identity():
+        raise RunError(
+            f"{directory}'s replies were judged by another judge ({kept!r} there, "
+            f"{judge.identity()!r} now); use that judge, or another --output"
+        )
+    try:
+        return benchmark.reading(mode, judge.verdicts if judge is not None else None)
+    except ValueError as e:
+        raise RunError(f"{directory}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,32 +384,75 @@ def summary_markdown(results: dict) -> str:
 
 
 def _record(
-    benchmark: Benchmark,
+    scoring: Scoring,
     item: Item,
     reply: Reply | None,
     error: ClientError | None,
     strip_think: bool,
 ) -> dict:
     record: dict[str, Any] = {"id": item.id, "digest": item.digest}
+    # parsed and correct are filled in by `scored`, in their place among the fields.
     if reply is None:
-        parsed, correct = benchmark.unanswered(item.meta)
         record.update(
-            outcome="error", reply=None, parsed=parsed, correct=correct, error=str(error),
+            outcome="error", reply=None, parsed=None, correct=None, error=str(error),
             error_kind=error.kind, reasoning=None, finish_reason=None, refusal=None, usage=None,
             latency_s=None, attempts=error.attempts, model=None,
         )  # fmt: skip
     else:
         answer, thought = parsing.split_think(reply.text) if strip_think else (reply.text, None)
-        parsed, correct = benchmark.score(item.meta, answer)
         reasoning = "\n\n".join(r for r in (reply.reasoning, thought) if r) or None
         record.update(
-            outcome=_outcome(answer, reply), reply=answer, parsed=parsed, correct=correct,
+            outcome=_outcome(answer, reply), reply=answer, parsed=None, correct=None,
             error=None, error_kind=None, reasoning=reasoning, finish_reason=reply.finish_reason,
             refusal=reply.refusal, usage=reply.usage, latency_s=reply.latency_s,
             attempts=reply.attempts, model=reply.model,
         )  # fmt: skip
     record["meta"] = item.meta
-    return record
+    return scored(scoring, record)
+
+
+def build_results(
+    scoring: Scoring,
+    identity: dict,
+    records: Sequence[dict],
+    limit: int | None = None,
+    warnings: Sequence[str] = (),
+) -> tuple[dict, str]:
+    """(results.json's object, results.md's text) of `records`, each already `scored` by
+    `scoring`: the one way results are made, for a run and for a re-scoring. `limit`: the
+    records are the first `limit` items only."""
+    judged = audit.judge_summary(scoring, records)
+    parser = audit.parser_audit(scoring, records)
+    results = {
+        **identity,
+        **({"parse_mode": scoring.parse_mode} if scoring.parse_mode else {}),
+        "num_items": len(records),
+        **({"limit": limit} if limit is not None else {}),
+        # A reply the judge has not ruled on yet is as unfinished as a failed request.
+        "complete": all(r["error"] is None for r in records)
+        and not (judged and judged["without_verdict"]),
+        **outcome_summary(records),
+        **scoring.results(records),
+        "intervals": INTERVALS,
+        **({"judge": judged} if judged else {}),
+        **({"parser_audit": parser} if parser else {}),
+        **({"warnings": list(warnings)} if warnings else {}),
+    }
+    results = _json_safe(results)
+    markdown = scoring.markdown(results).rstrip("\n") + "\n\n"
+    if judged:
+        markdown += audit.judge_markdown(results["judge"]) + "\n\n"
+    if parser:
+        markdown += audit.audit_markdown(results["parser_audit"]) + "\n"
+    markdown += summary_markdown(results) + "\n"
+    markdown += "".join(f"\nWarning: {warning}\n" for warning in warnings)
+    if limit is not None:
+        markdown = (
+            f"Subset: the first {limit} items only (--limit {limit}); a run without "
+            f"--limit writes the results of every item to {RESULTS_JSON} and {RESULTS_MD}."
+            f"\n\n{markdown}"
+        )
+    return results, markdown
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,16 +491,25 @@ class _Session:
         progress: bool,
         strip_think: bool = False,
         warnings: Sequence[str] = (),
+        parse_mode: str | None = None,
+        judge: Judge | None = None,
     ):
         if limit is not None and limit < 0:
             raise ValueError(f"limit must be non-negative, got {limit}")
         self.benchmark, self.identity, self.limit = benchmark, identity, limit
         self.strip_think, self.warnings = strip_think, list(warnings)
+        self.judge, self.show_progress = judge, progress
         # Set by `pending` when the limit left items out: the results are then a subset's.
         self.subset = False
         self.directory = pathlib.Path(output)
         self.directory.mkdir(parents=True, exist_ok=True)
-        _check_run_file(self.directory, identity)
+        self.run_file = _check_run_file(self.directory, identity)
+        self.scoring = _scoring_mode(self.directory, benchmark, self.run_file, parse_mode, judge)
+        self._write_run_file(
+            judge=judge.identity() if judge is not None else None,
+            # A new run records its mode at once, so that a killed one resumes with it.
+            parse_mode=None if "parse_mode" in (self.run_file or {}) else self.scoring.parse_mode,
+        )
         self.store = PredictionStore(self.directory / PREDICTIONS_FILE)
         if self.store.records:
             _check_digests(benchmark, self.store, limit)
@@ -394,6 +519,16 @@ class _Session:
         if total is not None and limit is not None:
             total = min(total, limit)
         self.progress = Progress(total, benchmark.name, progress)
+
+    def _write_run_file(self, **scoring: Any) -> None:
+        """run.json: this run's identity (an older file, which matched it, gains the keys it
+        lacked), then the scoring keys (a new judge, the results' mode); written when changed."""
+        kept = {k: v for k, v in (self.run_file or {}).items() if k in SCORING_KEYS}
+        kept.update({k: v for k, v in scoring.items() if v is not None})
+        content = {**self.identity, **kept}
+        if content != self.run_file:
+            files.write_atomic(self.directory / RUN_FILE, json.dumps(content, indent=2) + "\n")
+            self.run_file = content
 
     def pending(self) -> Iterator[Item]:
         """The run's items that still need a reply, in order; answered ones only tick the bar."""
@@ -419,37 +554,29 @@ class _Session:
     def record(
         self, item: Item, reply: Reply | None, error: ClientError | None, **postfix: Any
     ) -> None:
-        self.store.append(_record(self.benchmark, item, reply, error, self.strip_think))
+        self.store.append(_record(self.scoring, item, reply, error, self.strip_think))
         self.failed += error is not None
         self.progress.update(failed=self.failed, **postfix)
 
     def finish(self) -> dict:
         self.progress.close()
+        records = [self.store.records[i] for i in self.order]
+        if self.judge is not None:
+            self.judge.complete(self.scoring, records, self.show_progress)
+        # Every reply read again under the run's mode, which may differ from the one it was
+        # first read with: predictions.jsonl then says what the results count.
+        for record in records:
+            self.store.records[record["id"]] = scored(self.scoring, record)
         self.store.compact(self.order)
         records = [self.store.records[i] for i in self.order]
         limit = self.limit if self.subset else None
-        results = {
-            **self.identity,
-            "num_items": len(records),
-            **({"limit": limit} if limit is not None else {}),
-            "complete": all(r["error"] is None for r in records),
-            **outcome_summary(records),
-            **self.benchmark.results(records),
-            **({"warnings": self.warnings} if self.warnings else {}),
-        }
-        results = _json_safe(results)
-        markdown = self.benchmark.markdown(results).rstrip("\n") + "\n\n"
-        markdown += summary_markdown(results) + "\n"
-        markdown += "".join(f"\nWarning: {warning}\n" for warning in self.warnings)
-        if limit is not None:
-            markdown = (
-                f"Subset: the first {limit} items only (--limit {limit}); a run without "
-                f"--limit writes the results of every item to {RESULTS_JSON} and {RESULTS_MD}."
-                f"\n\n{markdown}"
-            )
+        results, markdown = build_results(
+            self.scoring, self.identity, records, limit, self.warnings
+        )
         json_name, md_name = results_files(limit)
         files.write_atomic(self.directory / json_name, json.dumps(results, indent=2) + "\n")
         files.write_atomic(self.directory / md_name, markdown)
+        self._write_run_file(parse_mode=self.scoring.parse_mode)
         return results
 
     def kept(self) -> int:
@@ -461,7 +588,7 @@ class _Session:
             f"{self.kept()} replies kept in {self.store.path}; rerun the same command to continue"
         )
 
-    def stopped(self, streak: "_Streak") -> RunStopped:
+    def stopped(self, streak: "Streak") -> RunStopped:
         kept = self.kept()
         return RunStopped(
             f"{streak.count} items in a row failed with {streak.kind} (the last: {streak.last}); "
@@ -476,7 +603,7 @@ class _Session:
         self.store.close()
 
 
-class _Streak:
+class Streak:
     """Items in a row whose requests failed with the same kind of error."""
 
     def __init__(self, limit: int):
@@ -498,14 +625,15 @@ class _TooManyFailures(Exception):
     pass
 
 
-class _Workers:
-    """`size` daemon threads answering items; (item, reply, error, crash) come back on `done`.
+class Workers:
+    """`size` daemon threads answering jobs (items, or the judge's questions); (job, answer,
+    error, crash) come back on `done`, from `ask(job)` -> (answer, error).
 
     Daemon threads, unlike ThreadPoolExecutor's (joined when the interpreter exits), let Ctrl-C
     end the process while a request is still out; `stop` also keeps them from taking more.
     """
 
-    def __init__(self, size: int, ask: Callable[[Item], tuple[Reply | None, ClientError | None]]):
+    def __init__(self, size: int, ask: Callable[[Any], tuple[Any, ClientError | None]]):
         self._ask, self._size = ask, size
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.done: queue.SimpleQueue = queue.SimpleQueue()
@@ -513,8 +641,8 @@ class _Workers:
         for k in range(size):
             threading.Thread(target=self._work, name=f"eval-mllm-{k}", daemon=True).start()
 
-    def submit(self, item: Item) -> None:
-        self._jobs.put(item)
+    def submit(self, job: Any) -> None:
+        self._jobs.put(job)
 
     def next_done(self) -> tuple:
         # A timeout keeps the main thread where a signal can reach it on every platform.
@@ -531,17 +659,17 @@ class _Workers:
 
     def _work(self) -> None:
         while True:
-            item = self._jobs.get()
-            if item is None or self._stopped.is_set():
+            job = self._jobs.get()
+            if job is None or self._stopped.is_set():
                 return
             try:
-                reply, error = self._ask(item)
+                answer, error = self._ask(job)
             # Whatever stops a call (a KeyboardInterrupt or SystemExit raised in this thread too)
             # goes to the main thread, which keeps the replies that arrived alongside.
             except BaseException as crash:
-                self.done.put((item, None, None, crash))
+                self.done.put((job, None, None, crash))
             else:
-                self.done.put((item, reply, error, None))
+                self.done.put((job, answer, error, None))
 
 
 def run(
@@ -556,6 +684,8 @@ def run(
     max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILURES,
     strip_think: bool = True,
     warnings: Sequence[str] = (),
+    parse_mode: str | None = None,
+    judge: Judge | None = None,
 ) -> dict:
     """Asks `client` every item of `benchmark` not yet answered in `output`; returns the results.
 
@@ -566,7 +696,10 @@ def run(
     with the same kind of error that stop the run with RunStopped (0: never). `strip_think`:
     `<think>` blocks are taken out of replies before scoring and kept as reasoning (part of the
     run's identity). `warnings`: what the results must say about how far to trust them (in
-    results.json and results.md). A request that fails for good (`ClientError`) is recorded with its error
+    results.json and results.md). `parse_mode`: how replies are read (None: the mode the
+    directory's results were last written with, else the benchmark's default); `judge`: the
+    judge parse mode's judge (ood_jax.eval.judge.Judge), asked at the end about every reply no
+    rule reads. A request that fails for good (`ClientError`) is recorded with its error
     and retried by the next run; any other exception stops the run after recording the replies
     already received, and a KeyboardInterrupt is re-raised with a message saying how many
     replies were kept, and where.
@@ -579,7 +712,9 @@ def run(
             f"max_consecutive_failures must be non-negative, got {max_consecutive_failures}"
         )
     identity = {**benchmark.identity(), **client.identity(), "strip_think": strip_think}
-    session = _Session(benchmark, identity, output, limit, progress, strip_think, warnings)
+    session = _Session(
+        benchmark, identity, output, limit, progress, strip_think, warnings, parse_mode, judge
+    )
     control = (
         RunControl(concurrency, retry_budget)
         if getattr(client, "accepts_run_control", False)
@@ -594,8 +729,8 @@ def run(
         except ClientError as e:
             return None, e
 
-    workers = _Workers(concurrency, ask)
-    streak = _Streak(max_consecutive_failures)
+    workers = Workers(concurrency, ask)
+    streak = Streak(max_consecutive_failures)
     in_flight = 0
 
     def settle(done: tuple) -> None:
@@ -635,7 +770,7 @@ def run(
     return session.finish()
 
 
-def _keep_finished(workers: _Workers, session: _Session) -> None:
+def _keep_finished(workers: Workers, session: _Session) -> None:
     while True:
         try:
             item, reply, error, crash = workers.done.get_nowait()
@@ -653,11 +788,13 @@ def run_batched(
     batch_size: int = 64,
     limit: int | None = None,
     progress: bool = True,
+    parse_mode: str | None = None,
 ) -> dict:
     """`run` for answerers that work on batches (the CLIP baseline): same files, same resume."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-    session = _Session(benchmark, {**benchmark.identity(), **identity}, output, limit, progress)
+    identity = {**benchmark.identity(), **identity}
+    session = _Session(benchmark, identity, output, limit, progress, parse_mode=parse_mode)
     batch: list[Item] = []
 
     def flush() -> None:

@@ -5,35 +5,64 @@ oodbench      OODBench yes/no questions, plain or chain-of-thought (tasks/oodben
 oodbench-bap  OODBench Basic-to-Advanced Progression questions (tasks/oodbench.py)
 counts-oodg   COUNTS OODG grounding, localization and mapping items (tasks/counts_oodg.py)
 
-What every task shares (Item, the Benchmark interface the runner drives, reading built TFDS
-datasets, summaries and tables) is in tasks/base.py.
+`scoring_for(run)` is a task's scoring without its data, from the identity a run directory's
+run.json holds: what `ood-jax rescore` reads replies and computes results with. What every task
+shares (Item, the Scoring and Benchmark interfaces, reading built TFDS datasets, summaries and
+tables) is in tasks/base.py; the parser audit in tasks/audit.py.
 """
 
 from __future__ import annotations
 
-from ood_jax.eval.tasks.base import Benchmark, Item, ItemsError, dataset_dir
-from ood_jax.eval.tasks.counts_oodg import OODG_SETTINGS, OODG_TASKS, CountsOodg, read_oodg_items
-from ood_jax.eval.tasks.foci import PARSE_MODES, Foci
-from ood_jax.eval.tasks.oodbench import OODBENCH_SETTINGS, OodBench, OodBenchBap
+from ood_jax.eval.tasks.base import (
+    JUDGE_MODE,
+    PARSE_MODES,
+    Benchmark,
+    Item,
+    ItemsError,
+    Scoring,
+    dataset_dir,
+)
+from ood_jax.eval.tasks.counts_oodg import (
+    OODG_SETTINGS,
+    OODG_TASKS,
+    CountsOodg,
+    CountsOodgScoring,
+    read_oodg_items,
+)
+from ood_jax.eval.tasks.foci import Foci, FociScoring
+from ood_jax.eval.tasks.oodbench import (
+    OODBENCH_SETTINGS,
+    OodBench,
+    OodBenchBap,
+    OodBenchBapScoring,
+    OodBenchScoring,
+)
 
 BENCHMARKS = ("foci", "counts-oodg", "oodbench", "oodbench-bap")
 
 __all__ = [
     "BENCHMARKS",
+    "JUDGE_MODE",
     "OODBENCH_SETTINGS",
     "OODG_SETTINGS",
     "OODG_TASKS",
     "PARSE_MODES",
     "Benchmark",
     "CountsOodg",
+    "CountsOodgScoring",
     "Foci",
+    "FociScoring",
     "Item",
     "ItemsError",
     "OodBench",
     "OodBenchBap",
+    "OodBenchBapScoring",
+    "OodBenchScoring",
+    "Scoring",
     "dataset_dir",
     "make_benchmark",
     "read_oodg_items",
+    "scoring_for",
 ]
 
 
@@ -45,9 +74,9 @@ def make_benchmark(
     setting: str | None = None,
     ice: int | None = None,
     task: str | None = None,
-    parse_mode: str = "foci",
 ) -> Benchmark:
-    """The benchmark `name` of BENCHMARKS over the user's data; bad combinations fail clearly."""
+    """The benchmark `name` of BENCHMARKS over the user's data; bad combinations fail clearly.
+    It reads replies under its default parse mode; `Scoring.reading` picks another."""
     if name not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {name!r}; expected one of {BENCHMARKS}")
     if name == "counts-oodg":
@@ -63,9 +92,24 @@ def make_benchmark(
         if setting is not None:
             raise ValueError("foci has no settings (see --parse-mode)")
         configs = [c for c in config.split(",") if c] if config else None
-        return Foci(data_dir, configs, parse_mode)
+        return Foci(data_dir, configs)
     if name == "oodbench":
         return OodBench(data_dir, config or "default", setting or "plain")
     if setting is not None:
         raise ValueError("oodbench-bap has no settings")
     return OodBenchBap(data_dir, config or "bap")
+
+
+def scoring_for(run: dict) -> Scoring:
+    """The scoring of the benchmark a run's identity (run.json) names, under its default parse
+    mode. Raises ValueError for a benchmark this version does not know."""
+    name = run.get("benchmark")
+    if name == "foci":
+        return FociScoring()
+    if name == "oodbench":
+        return OodBenchScoring(run.get("setting", "plain"))
+    if name == "oodbench-bap":
+        return OodBenchBapScoring()
+    if name == "counts-oodg":
+        return CountsOodgScoring()
+    raise ValueError(f"benchmark {name!r} is none of {BENCHMARKS}")

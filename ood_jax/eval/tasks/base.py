@@ -1,25 +1,43 @@
-"""What every task of `ood-jax eval-mllm` shares: the item, the Benchmark interface (what
-eval/runner.py and eval/clip_baseline.py drive; the tasks in tasks/foci.py, tasks/oodbench.py and
-tasks/counts_oodg.py implement it), reading built TFDS datasets, and the summaries and tables the
-results are made of.
+"""What every task of `ood-jax eval-mllm` shares: the item, the Scoring and Benchmark interfaces
+(what eval/runner.py, eval/rescore.py and eval/clip_baseline.py drive; the tasks in tasks/foci.py,
+tasks/oodbench.py and tasks/counts_oodg.py implement them), reading built TFDS datasets, and the
+summaries and tables the results are made of (the parser audit across modes is tasks/audit.py).
+
+A Scoring reads replies and turns prediction records into results from the records alone, so
+that a run directory is re-scored without its data (`ood-jax rescore`); a Benchmark is a Scoring
+that also has the items. A multiple-choice task reads its replies under one of PARSE_MODES
+(ood_jax.eval.parsing's CHOICE_MODES, and "judge": strict, then a judge model's verdict for what
+no rule reads); the mode is not part of a run's identity, since the stored reply is what was said.
 
 Every reply that cannot be read, and every request that failed, counts as a wrong answer; how
-many there were is reported next to each number.
+many there were is reported next to each number, and every accuracy over items comes with an
+exact (Clopper-Pearson) interval.
 """
 
 from __future__ import annotations
 
 import abc
 import collections
+import copy
 import hashlib
 import json
 import math
 import pathlib
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
-from ood_jax import prompts
+from ood_jax import prompts, stats
+from ood_jax.eval import parsing
 from ood_jax.eval.clients import ImageInput, Request
+
+JUDGE_MODE = "judge"
+PARSE_MODES = (*parsing.CHOICE_MODES, JUDGE_MODE)
+# What the judge mode reads by rule before it asks the judge: a letter standing alone or an
+# option named in full, the rules VLMEvalKit tries before its judge too.
+JUDGE_RULE_MODE = "strict"
+CONFIDENCE = 0.95
+INTERVALS = {"method": "clopper-pearson", "confidence": CONFIDENCE}
+CI_LABEL = f"{100 * CONFIDENCE:g}% CI"
 
 
 class ItemsError(ValueError):
@@ -47,27 +65,75 @@ class Item:
         return self._digest
 
 
-class Benchmark(abc.ABC):
-    """Items, scoring and results of one benchmark."""
+class Verdicts(Protocol):
+    """A judge's verdicts, as the judge mode reads them (ood_jax.eval.judge.Verdicts)."""
+
+    def identity(self) -> dict: ...
+
+    def lookup(self, options: Sequence[str], reply: str) -> tuple[bool, int | None]:
+        """(judged, the option it named or None); judged is False while no verdict is kept."""
+        ...
+
+
+class Scoring(abc.ABC):
+    """How one benchmark reads replies and what it makes of the records: needs no data.
+
+    `parse_modes`: the modes its replies can be read under (empty: one fixed reading);
+    `parse_mode`: the mode this instance reads under (the class's value is the default);
+    `judge`: the verdicts the judge mode reads, when a judge was used.
+    """
 
     name: str
-    # Generation budget when the user gives none: enough for the expected answer format.
-    default_max_tokens: int
+    parse_modes: tuple[str, ...] = ()
+    parse_mode: str | None = None
+    judge: Verdicts | None = None
 
     def identity(self) -> dict:
         """What must match for a rerun to add to an output directory's predictions."""
         return {"benchmark": self.name}
 
-    def count(self) -> int | None:
-        """The number of items, when known without reading them."""
+    def reading(self, parse_mode: str | None, judge: Verdicts | None = None) -> "Scoring":
+        """This scoring reading replies under `parse_mode` (None: the default) with `judge`."""
+        if not self.parse_modes:
+            if parse_mode is not None:
+                raise ValueError(f"{self.name} reads its replies one way: it has no parse modes")
+            return self
+        mode = parse_mode or type(self).parse_mode
+        if mode not in self.parse_modes:
+            raise ValueError(
+                f"{self.name} reads replies under parse mode {', '.join(self.parse_modes)}; "
+                f"got {mode!r}"
+            )
+        if mode == JUDGE_MODE and judge is None:
+            raise ValueError("parse mode judge needs a judge's verdicts")
+        out = copy.copy(self)
+        out.parse_mode, out.judge = mode, judge
+        return out
+
+    def choice_options(self, meta: dict) -> Sequence[str] | None:
+        """The options a reply to this item chooses among; None where it is no such choice."""
         return None
 
-    def max_images_per_item(self) -> int:
-        """The most images one item's prompt carries (where a template may move them)."""
-        return 1
+    def read_choice(self, meta: dict, reply: str) -> int | None:
+        """The option a reply chooses under this scoring's parse mode (for choice_options)."""
+        options = self.choice_options(meta)
+        if self.parse_mode != JUDGE_MODE:
+            return parsing.read_choice(reply, options, self.parse_mode)
+        parsed = parsing.read_choice(reply, options, JUDGE_RULE_MODE)
+        if parsed is None and reply.strip():
+            _, parsed = self.judge.lookup(options, reply)
+        return parsed
 
-    @abc.abstractmethod
-    def items(self) -> Iterator[Item]: ...
+    def needs_judge(self, record: dict) -> Sequence[str] | None:
+        """The options to judge a record's reply against, when no rule reads it; else None."""
+        if record["error"] is not None or not (record["reply"] or "").strip():
+            return None
+        options = self.choice_options(record["meta"])
+        if options is None:
+            return None
+        if parsing.read_choice(record["reply"], options, JUDGE_RULE_MODE) is not None:
+            return None
+        return options
 
     @abc.abstractmethod
     def score(self, meta: dict, reply: str) -> tuple[Any, bool | None]:
@@ -83,6 +149,39 @@ class Benchmark(abc.ABC):
 
     @abc.abstractmethod
     def markdown(self, results: dict) -> str: ...
+
+    def headline(self, records: Sequence[dict]) -> tuple[str, int, int] | None:
+        """(what, correct, items) of the number the parser audit follows across parse modes;
+        None for a benchmark read one way."""
+        return None
+
+
+class Benchmark(Scoring):
+    """Items, scoring and results of one benchmark."""
+
+    # Generation budget when the user gives none: enough for the expected answer format.
+    default_max_tokens: int
+
+    def count(self) -> int | None:
+        """The number of items, when known without reading them."""
+        return None
+
+    def max_images_per_item(self) -> int:
+        """The most images one item's prompt carries (where a template may move them)."""
+        return 1
+
+    @abc.abstractmethod
+    def items(self) -> Iterator[Item]: ...
+
+
+def scored(scoring: Scoring, record: dict) -> dict:
+    """`record` with its parsed answer and verdict read again from its reply by `scoring`: the
+    one place a prediction is scored, whether as it arrives, at a run's end or re-scored."""
+    if record["error"] is not None:
+        parsed, correct = scoring.unanswered(record["meta"])
+    else:
+        parsed, correct = scoring.score(record["meta"], record["reply"] or "")
+    return {**record, "parsed": parsed, "correct": correct}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,14 +262,21 @@ def image_request(question: str, encoded: bytes, where: str) -> Request:
 # ---------------------------------------------------------------------------------------------
 
 
+def interval(correct: int, n: int) -> list[float] | None:
+    """The exact (Clopper-Pearson) CONFIDENCE interval of `correct` of `n`; None for no items."""
+    return list(stats.clopper_pearson(correct, n, CONFIDENCE)) if n else None
+
+
 def answer_summary(records: Sequence[dict]) -> dict:
-    """Accuracy over all records (failures and unread replies are wrong) and their counts."""
+    """Accuracy over all records (failures and unread replies are wrong), its interval and the
+    counts."""
     n = len(records)
     failed = sum(r["error"] is not None for r in records)
     unread = sum(r["error"] is None and r["parsed"] is None for r in records)
     correct = sum(bool(r["correct"]) for r in records)
     return {
         "accuracy": correct / n if n else float("nan"),
+        "accuracy_ci": interval(correct, n),
         "num_items": n,
         "num_correct": correct,
         # A reply without a readable answer and a request that never got a reply are both
@@ -190,6 +296,23 @@ def frac(value: float | None) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)) or value < 0:
         return "-"
     return f"{value:.3f}"
+
+
+def pct_ci(value: float | None, ci: Sequence[float] | None) -> str:
+    """A percentage and its interval: "43.48 [23.19, 65.51]"."""
+    if ci is None:
+        return pct(value)
+    return f"{pct(value)} [{pct(ci[0])}, {pct(ci[1])}]"
+
+
+def frac_ci(value: float | None, ci: Sequence[float] | None) -> str:
+    """A fraction and its interval: "0.435 [0.232, 0.655]"."""
+    if ci is None:
+        return frac(value)
+    return f"{frac(value)} [{frac(ci[0])}, {frac(ci[1])}]"
+
+
+INTERVALS_NOTE = f"Brackets: exact (Clopper-Pearson) {CI_LABEL}s over the items counted."
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

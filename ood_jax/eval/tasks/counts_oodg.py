@@ -18,6 +18,10 @@ items.jsonl holds one JSON object per line:
 
 The number of in-context examples of an item is len(images) - 1.
 
+Grounding replies are read under a parse mode (tasks/base.py PARSE_MODES but FOCI's rule, which
+would read "Answer Choice: [B]" as A): strict (the default), last or judge. Mapping replies are
+read one box line at a time, and localization replies as boxes, whatever the mode.
+
 A task of ood_jax.eval.tasks (interface in tasks/base.py); prompts from ood_jax.prompts, replies
 read by ood_jax.eval.parsing, mAP from ood_jax.metrics.coco.
 """
@@ -36,12 +40,17 @@ import numpy as np
 from ood_jax import prompts
 from ood_jax.eval import parsing
 from ood_jax.eval.tasks.base import (
+    INTERVALS_NOTE,
+    JUDGE_MODE,
     Benchmark,
     Item,
     ItemsError,
+    Scoring,
     answer_summary,
     frac,
+    frac_ci,
     group_by,
+    interval,
     table,
 )
 from ood_jax.eval.clients import ImageInput, Request
@@ -173,10 +182,107 @@ def read_oodg_items(path: str | pathlib.Path) -> list[dict]:
     return records
 
 
-class CountsOodg(Benchmark):
-    """COUNTS OODG items, optionally only one task, setting and number of in-context examples."""
+class CountsOodgScoring(Scoring):
+    """The reading of COUNTS OODG replies and its tables, from prediction records alone."""
 
     name = "counts-oodg"
+    parse_modes = ("strict", "last", JUDGE_MODE)
+    parse_mode = "strict"
+
+    def choice_options(self, meta: dict) -> list[str] | None:
+        return meta["options"] if meta["task"] == "grounding" else None
+
+    def headline(self, records: Sequence[dict]) -> tuple[str, int, int] | None:
+        grounding = [r for r in records if r["meta"]["task"] == "grounding"]
+        if not grounding:
+            return None
+        return "grounding accuracy", sum(bool(r["correct"]) for r in grounding), len(grounding)
+
+    def score(self, meta: dict, reply: str) -> tuple[Any, bool | None]:
+        if meta["task"] == "grounding":
+            parsed = self.read_choice(meta, reply)
+            return parsed, parsed == meta["answer"]
+        if meta["task"] == "mapping":
+            parsed = parsing.parse_mapping(reply, meta["options"])
+            return parsed, parsed == meta["answer"]
+        # Localization has no per-item verdict: its boxes are scored together by COCO mAP.
+        return parsing.parse_boxes(reply), None
+
+    def unanswered(self, meta: dict) -> tuple[Any, bool | None]:
+        return None, (None if meta["task"] == "localization" else False)
+
+    def results(self, records: Sequence[dict]) -> dict:
+        out: dict[str, list] = {}
+        for task in OODG_TASKS:
+            group = [r for r in records if r["meta"]["task"] == task]
+            rows = collections.defaultdict(list)
+            for r in group:
+                rows[(r["meta"]["setting"], r["meta"]["ice"])].append(r)
+            score_rows = {
+                "grounding": _grounding_row,
+                "localization": _localization_row,
+                "mapping": _mapping_row,
+            }[task]
+            if rows:
+                out[task] = [
+                    {"setting": setting, "ice": ice, **score_rows(rows[(setting, ice)])}
+                    for setting, ice in sorted(
+                        rows, key=lambda k: (OODG_SETTINGS.index(k[0]), k[1])
+                    )
+                ]
+        return out
+
+    def markdown(self, results: dict) -> str:
+        sections = []
+        titles = {
+            "grounding": ("Visual Grounding", "selection accuracy"),
+            "localization": ("Recognition and Localization", "mAP (COCO AP@[.5:.95])"),
+            "mapping": (
+                "Visual and Semantic Mapping",
+                "mapping accuracy (per box; no interval: a reply's four boxes are not "
+                "independent), and exact match (all four boxes right)",
+            ),
+        }
+        for task in (t for t in OODG_TASKS if t in results):
+            rows = results[task]
+            domains = sorted({d for row in rows for d in row["per_domain"]})
+            header = ["setting", "ICE"] + [f"{d} {s}" for d in domains for s in OODG_SIZES]
+            header.append("overall")
+            if task == "mapping":
+                header.append("exact match")
+            metric = "mAP" if task == "localization" else "accuracy"
+            lines = []
+            for row in rows:
+                cells = [
+                    str(OODG_SETTINGS.index(row["setting"]) + 1) + f" ({row['setting']})",
+                    str(row["ice"]),
+                ]
+                for d in domains:
+                    for s in OODG_SIZES:
+                        cell = row["per_domain"].get(d, {}).get(s)
+                        if cell is None:
+                            cells.append(frac(None))
+                        else:
+                            cells.append(frac_ci(cell[metric], cell.get(f"{metric}_ci")))
+                cells.append(frac_ci(row[metric], row.get(f"{metric}_ci")))
+                if task == "mapping":
+                    cells.append(frac_ci(row["exact_match"], row["exact_match_ci"]))
+                lines.append(cells)
+            title, what = titles[task]
+            sections.append(
+                f"## {title}\n\n{what}; S, M, L: object size.\n\n" + table(header, lines)
+            )
+        mode = (
+            f" Grounding replies read under parse mode {results['parse_mode']}."
+            if "parse_mode" in results
+            else ""
+        )
+        return "\n\n".join(sections) + f"\n\n{INTERVALS_NOTE}{mode}\n"
+
+
+class CountsOodg(CountsOodgScoring, Benchmark):
+    """COUNTS OODG items, optionally only one task, setting and number of in-context examples."""
+
     # Localization replies list one "Box item:" line per object.
     default_max_tokens = 512
 
@@ -236,90 +342,31 @@ class CountsOodg(Benchmark):
             }
             yield Item(record["id"], Request(record["prompt"], tuple(images)), meta)
 
-    def score(self, meta: dict, reply: str) -> tuple[Any, bool | None]:
-        if meta["task"] == "grounding":
-            parsed = parsing.parse_choice_or_option(reply, meta["options"])
-            return parsed, parsed == meta["answer"]
-        if meta["task"] == "mapping":
-            parsed = parsing.parse_mapping(reply, meta["options"])
-            return parsed, parsed == meta["answer"]
-        # Localization has no per-item verdict: its boxes are scored together by COCO mAP.
-        return parsing.parse_boxes(reply), None
 
-    def unanswered(self, meta: dict) -> tuple[Any, bool | None]:
-        return None, (None if meta["task"] == "localization" else False)
-
-    def results(self, records: Sequence[dict]) -> dict:
-        out: dict[str, list] = {}
-        for task in OODG_TASKS:
-            group = [r for r in records if r["meta"]["task"] == task]
-            rows = collections.defaultdict(list)
-            for r in group:
-                rows[(r["meta"]["setting"], r["meta"]["ice"])].append(r)
-            score_rows = {
-                "grounding": _grounding_row,
-                "localization": _localization_row,
-                "mapping": _mapping_row,
-            }[task]
-            if rows:
-                out[task] = [
-                    {"setting": setting, "ice": ice, **score_rows(rows[(setting, ice)])}
-                    for setting, ice in sorted(
-                        rows, key=lambda k: (OODG_SETTINGS.index(k[0]), k[1])
-                    )
-                ]
-        return out
-
-    def markdown(self, results: dict) -> str:
-        sections = []
-        titles = {
-            "grounding": ("Visual Grounding", "selection accuracy"),
-            "localization": ("Recognition and Localization", "mAP (COCO AP@[.5:.95])"),
-            "mapping": ("Visual and Semantic Mapping", "mapping accuracy (per box)"),
-        }
-        for task in (t for t in OODG_TASKS if t in results):
-            rows = results[task]
-            domains = sorted({d for row in rows for d in row["per_domain"]})
-            header = ["setting", "ICE"] + [f"{d} {s}" for d in domains for s in OODG_SIZES]
-            header.append("overall")
-            metric = "mAP" if task == "localization" else "accuracy"
-            lines = []
-            for row in rows:
-                cells = [
-                    str(OODG_SETTINGS.index(row["setting"]) + 1) + f" ({row['setting']})",
-                    str(row["ice"]),
-                ]
-                for d in domains:
-                    for s in OODG_SIZES:
-                        cell = row["per_domain"].get(d, {}).get(s)
-                        cells.append(frac(None if cell is None else cell[metric]))
-                cells.append(frac(row[metric]))
-                lines.append(cells)
-            title, what = titles[task]
-            sections.append(
-                f"## {title}\n\n{what}; S, M, L: object size.\n\n" + table(header, lines)
-            )
-        return "\n\n".join(sections) + "\n"
+def _cell(values: Sequence, binomial: bool) -> dict:
+    cell = {"accuracy": float(np.mean(values)), "count": len(values)}
+    if binomial:
+        cell["accuracy_ci"] = interval(int(sum(values)), len(values))
+    return cell
 
 
-def _per_domain_size(records: Sequence[dict], value) -> dict:
-    """domain -> size -> {"accuracy", "count"} (and "all" per domain) of per-record `value`."""
+def _per_domain_size(records: Sequence[dict], value, binomial: bool) -> dict:
+    """domain -> size -> {"accuracy", "count"} (and "all" per domain) of per-record `value`;
+    `binomial`: each value is one item right or wrong, so the cell has an interval too."""
     out = {}
     for domain, group in sorted(group_by(records, "domain").items()):
         cells = {}
         for size, sized in sorted(group_by(group, "size").items(), key=lambda kv: str(kv[0])):
             if size is not None:
-                values = [value(r) for r in sized]
-                cells[size] = {"accuracy": float(np.mean(values)), "count": len(values)}
-        values = [value(r) for r in group]
-        cells["all"] = {"accuracy": float(np.mean(values)), "count": len(values)}
+                cells[size] = _cell([value(r) for r in sized], binomial)
+        cells["all"] = _cell([value(r) for r in group], binomial)
         out[domain] = cells
     return out
 
 
-def _per_size(records: Sequence[dict], value) -> dict:
+def _per_size(records: Sequence[dict], value, binomial: bool) -> dict:
     return {
-        size: {"accuracy": float(np.mean([value(r) for r in g])), "count": len(g)}
+        size: _cell([value(r) for r in g], binomial)
         for size, g in sorted(group_by(records, "size").items(), key=lambda kv: str(kv[0]))
         if size is not None
     }
@@ -331,8 +378,8 @@ def _grounding_row(records: Sequence[dict]) -> dict:
 
     return {
         **answer_summary(records),
-        "per_domain": _per_domain_size(records, correct),
-        "per_size": _per_size(records, correct),
+        "per_domain": _per_domain_size(records, correct, binomial=True),
+        "per_size": _per_size(records, correct, binomial=True),
     }
 
 
@@ -343,17 +390,19 @@ def _mapping_row(records: Sequence[dict]) -> dict:
 
     summary = answer_summary(records)
     return {
-        # Per box: the share of coloured boxes mapped to their own option.
+        # Per box: the share of coloured boxes mapped to their own option. No binomial
+        # interval: the four boxes of one reply are not independent trials.
         "accuracy": float(np.mean([box_accuracy(r) for r in records])),
         # Per item: all four boxes right.
         "exact_match": summary["accuracy"],
+        "exact_match_ci": summary["accuracy_ci"],
         "num_items": summary["num_items"],
         "generation_failures": sum(
             r["error"] is not None or any(p is None for p in r["parsed"] or [None]) for r in records
         ),
         "request_failures": summary["request_failures"],
-        "per_domain": _per_domain_size(records, box_accuracy),
-        "per_size": _per_size(records, box_accuracy),
+        "per_domain": _per_domain_size(records, box_accuracy, binomial=False),
+        "per_size": _per_size(records, box_accuracy, binomial=False),
     }
 
 

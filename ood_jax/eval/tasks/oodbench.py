@@ -18,13 +18,18 @@ import numpy as np
 from ood_jax import prompts
 from ood_jax.eval import parsing
 from ood_jax.eval.tasks.base import (
+    CI_LABEL,
+    INTERVALS_NOTE,
     Benchmark,
     Item,
+    Scoring,
     answer_summary,
     dataset_dir,
     group_by,
     image_request,
+    interval,
     pct,
+    pct_ci,
     split_sizes,
     table,
     text,
@@ -44,7 +49,8 @@ def _category_text(name: str) -> str:
 
 def yes_no_results(records: Sequence[dict]) -> dict:
     """Per split: binary_report of the yes/no answers (a missing or unread answer counts as
-    the wrong one), plus how many were unanswered and how many requests failed."""
+    the wrong one) with the accuracy's interval, plus how many were unanswered and how many
+    requests failed."""
     splits = {}
     for split, group in group_by(records, "split").items():
         truth = np.array([r["meta"]["answer"] for r in group], bool)
@@ -54,6 +60,7 @@ def yes_no_results(records: Sequence[dict]) -> dict:
             bool,
         )
         report = classification.binary_report(truth, predicted)
+        report["accuracy_ci"] = interval(int(np.sum(truth == predicted)), len(group))
         summary = answer_summary(group)
         report["unanswered"] = summary["generation_failures"]
         report["request_failures"] = summary["request_failures"]
@@ -63,7 +70,7 @@ def yes_no_results(records: Sequence[dict]) -> dict:
 
 def bap_results(records: Sequence[dict]) -> dict:
     """Per split: E-Acc over existential questions, C-Acc over counting questions, L-Acc over
-    test samples with a logical question, and the overall C / N."""
+    test samples with a logical question, and the overall C / N, each with its interval."""
     splits = {}
     for split, group in group_by(records, "split").items():
         by_level = group_by(group, "level")
@@ -78,15 +85,16 @@ def bap_results(records: Sequence[dict]) -> dict:
             for s in logical_samples
         ]
 
-        def mean(values):
-            return float(np.mean(values)) if len(values) else float("nan")
+        def rate(name: str, points: Sequence[bool]) -> dict:
+            k, n = sum(points), len(points)
+            return {name: k / n if n else float("nan"), f"{name}_ci": interval(k, n)}
 
         splits[split] = {
-            "e_acc": mean([bool(r["correct"]) for r in by_level.get("existential", [])]),
-            "c_acc": mean([bool(r["correct"]) for r in by_level.get("counting", [])]),
-            "l_acc": mean(logical_points),
+            **rate("e_acc", [bool(r["correct"]) for r in by_level.get("existential", [])]),
+            **rate("c_acc", [bool(r["correct"]) for r in by_level.get("counting", [])]),
+            **rate("l_acc", logical_points),
             # The paper's overall BAP metric: C / N over every question.
-            "bap": mean([bool(r["correct"]) for r in group]),
+            **rate("bap", [bool(r["correct"]) for r in group]),
             "existential_questions": len(by_level.get("existential", [])),
             "counting_questions": len(by_level.get("counting", [])),
             "logical_samples": len(logical_samples),
@@ -96,25 +104,59 @@ def bap_results(records: Sequence[dict]) -> dict:
     return {"splits": {s: splits[s] for s in OODBENCH_SPLITS if s in splits}}
 
 
-class OodBench(Benchmark):
-    """OODBench's yes/no questions; `setting="cot"` asks them with the paper's CoT wording."""
+class OodBenchScoring(Scoring):
+    """OODBench's reading of yes/no replies (the leading word, or with `setting="cot"` the
+    verdict at the end) and its main table, from prediction records alone."""
 
     name = "oodbench"
-    default_max_tokens = 16
 
-    def __init__(self, data_dir: str, config: str = "default", setting: str = "plain"):
+    def __init__(self, setting: str = "plain"):
         if setting not in OODBENCH_SETTINGS:
             raise ValueError(
                 f"OODBench setting must be one of {OODBENCH_SETTINGS}, got {setting!r}"
             )
         self.setting = setting
+
+    def identity(self) -> dict:
+        return {"benchmark": self.name, "setting": self.setting}
+
+    def score(self, meta: dict, reply: str) -> tuple[bool | None, bool]:
+        read = parsing.parse_final_yes_no if self.setting == "cot" else parsing.parse_yes_no
+        parsed = read(reply)
+        return parsed, parsed is not None and parsed == meta["answer"]
+
+    def results(self, records: Sequence[dict]) -> dict:
+        return {"setting": self.setting, **yes_no_results(records)}
+
+    def markdown(self, results: dict) -> str:
+        rows = [
+            [
+                OODBENCH_SPLITS[s],
+                pct_ci(r["accuracy"], r["accuracy_ci"]),
+                *(pct(r[k]) for k in ("precision", "recall", "f1")),
+                f"{100 * r['mcc']:.2f}",
+                str(r["support"]),
+                str(r["unanswered"]),
+            ]
+            for s, r in results["splits"].items()
+        ]
+        header = ["split", f"Acc [{CI_LABEL}]", "Precision", "Recall", "F1", "MCC", "questions"]
+        header.append("unanswered")
+        title = "## OODBench" + (" (CoT)" if results["setting"] == "cot" else "")
+        return f"{title}\n\nAll numbers in %. {INTERVALS_NOTE}\n\n" + table(header, rows) + "\n"
+
+
+class OodBench(OodBenchScoring, Benchmark):
+    """OODBench's yes/no questions; `setting="cot"` asks them with the paper's CoT wording."""
+
+    default_max_tokens = 16
+
+    def __init__(self, data_dir: str, config: str = "default", setting: str = "plain"):
+        super().__init__(setting)
         self.directory = dataset_dir(data_dir, "oodbench", config)
         if setting == "cot":
             # Step-by-step answers need room before the verdict.
             self.default_max_tokens = 512
-
-    def identity(self) -> dict:
-        return {"benchmark": self.name, "setting": self.setting}
 
     def count(self) -> int:
         return split_sizes(self.directory, list(OODBENCH_SPLITS))
@@ -141,34 +183,43 @@ class OodBench(Benchmark):
             }
             yield Item(item_id, image_request(question, record["image"], item_id), meta)
 
-    def score(self, meta: dict, reply: str) -> tuple[bool | None, bool]:
-        read = parsing.parse_final_yes_no if self.setting == "cot" else parsing.parse_yes_no
-        parsed = read(reply)
-        return parsed, parsed is not None and parsed == meta["answer"]
+
+class OodBenchBapScoring(Scoring):
+    """The reading of BAP replies (counts, yes/no) and its table, from prediction records."""
+
+    name = "oodbench-bap"
+
+    def score(self, meta: dict, reply: str) -> tuple[Any, bool]:
+        if meta["level"] == "counting":
+            parsed = parsing.parse_count(reply)
+            return parsed, parsed is not None and parsed == int(meta["answer"])
+        parsed = parsing.parse_yes_no(reply)
+        return parsed, parsed is not None and parsed == (meta["answer"] == "yes")
 
     def results(self, records: Sequence[dict]) -> dict:
-        return {"setting": self.setting, **yes_no_results(records)}
+        return bap_results(records)
 
     def markdown(self, results: dict) -> str:
         rows = [
             [
                 OODBENCH_SPLITS[s],
-                *(pct(r[k]) for k in ("accuracy", "precision", "recall", "f1")),
-                f"{100 * r['mcc']:.2f}",
-                str(r["support"]),
+                *(pct_ci(r[k], r[f"{k}_ci"]) for k in ("e_acc", "c_acc", "l_acc", "bap")),
+                str(r["questions"]),
                 str(r["unanswered"]),
             ]
             for s, r in results["splits"].items()
         ]
-        header = ["split", "Acc", "Precision", "Recall", "F1", "MCC", "questions", "unanswered"]
-        title = "## OODBench" + (" (CoT)" if results["setting"] == "cot" else "")
-        return f"{title}\n\nAll numbers in %.\n\n" + table(header, rows) + "\n"
+        header = ["split", "E-Acc", "C-Acc", "L-Acc", "BAP (C/N)", "questions", "unanswered"]
+        return (
+            f"## OODBench BAP\n\nAll numbers in %. {INTERVALS_NOTE}\n\n"
+            + table(header, rows)
+            + "\n"
+        )
 
 
-class OodBenchBap(Benchmark):
+class OodBenchBap(OodBenchBapScoring, Benchmark):
     """OODBench's Basic-to-Advanced Progression questions (TFDS config `bap`)."""
 
-    name = "oodbench-bap"
     default_max_tokens = 32
 
     def __init__(self, data_dir: str, config: str = "bap"):
@@ -192,29 +243,3 @@ class OodBenchBap(Benchmark):
             }
             question = text(record["question"])
             yield Item(item_id, image_request(question, record["image"], item_id), meta)
-
-    def score(self, meta: dict, reply: str) -> tuple[Any, bool]:
-        if meta["level"] == "counting":
-            parsed = parsing.parse_count(reply)
-            return parsed, parsed is not None and parsed == int(meta["answer"])
-        parsed = parsing.parse_yes_no(reply)
-        return parsed, parsed is not None and parsed == (meta["answer"] == "yes")
-
-    def results(self, records: Sequence[dict]) -> dict:
-        return bap_results(records)
-
-    def markdown(self, results: dict) -> str:
-        rows = [
-            [
-                OODBENCH_SPLITS[s],
-                pct(r["e_acc"]),
-                pct(r["c_acc"]),
-                pct(r["l_acc"]),
-                pct(r["bap"]),
-                str(r["questions"]),
-                str(r["unanswered"]),
-            ]
-            for s, r in results["splits"].items()
-        ]
-        header = ["split", "E-Acc", "C-Acc", "L-Acc", "BAP (C/N)", "questions", "unanswered"]
-        return "## OODBench BAP\n\nAll numbers in %.\n\n" + table(header, rows) + "\n"

@@ -1,0 +1,130 @@
+"""`ood-jax rescore RUN_DIR`: a run's results computed again from its stored replies, under its
+own parse mode or others, sending nothing to any model.
+
+The replies are read by the run's task (tasks.scoring_for(DIR/run.json)) and the results made by
+runner.build_results, the code the run itself used: re-scored results under the run's mode equal
+the run's own unless the parser changed since. The run's mode is run.json's "parse_mode" (what
+its results were last written with; a run directory from before the mode left the identity has
+it there too), else the task's default.
+
+A finished run's results file says how many items it covers ("num_items"); those are the first
+lines of DIR/predictions.jsonl, since a run ends by rewriting the file with its own items first.
+Results under the run's mode go to results.json / results.md (results.limitN.* with --limit),
+those under another mode beside them, to results.MODE.json / results.MODE.md, and all of them to
+OUT instead with `out`, leaving the run directory as it was. The judge mode reads the verdicts
+DIR/judge.jsonl keeps from the run's judge (run.json "judge"); a reply without one is an error,
+since nothing is sent (`ood-jax eval-mllm ... --parse-mode judge` asks the judge).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Sequence
+
+from ood_jax import files
+from ood_jax.eval import judge, runner, tasks
+from ood_jax.eval.runner import RunError
+from ood_jax.eval.tasks.base import JUDGE_MODE, Scoring, scored
+
+
+def _read_json(path: pathlib.Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise RunError(f"{path}: not found") from None
+    except json.JSONDecodeError as e:
+        raise RunError(f"{path}: malformed JSON ({e.msg})") from None
+    if not isinstance(value, dict):
+        raise RunError(f"{path}: not a JSON object")
+    return value
+
+
+def _run_records(directory: pathlib.Path, results: dict, results_path: pathlib.Path) -> list:
+    """The records a finished run's results cover: the first num_items of predictions.jsonl."""
+    n = results.get("num_items")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise RunError(f"{results_path}: field 'num_items' must be a count, got {n!r}")
+    path = directory / runner.PREDICTIONS_FILE
+    if not path.exists():
+        raise RunError(f"{path}: not found")
+    records = list(runner.PredictionStore(path, repair=False).records.values())
+    if len(records) < n:
+        raise RunError(
+            f"{path} holds {len(records)} records, fewer than the {n} items {results_path} counts"
+        )
+    for record in records[:n]:
+        for field in ("reply", "error", "meta"):
+            if field not in record:
+                raise RunError(f"{path}: item {record['id']!r}: missing field {field!r}")
+    return records[:n]
+
+
+def _judged(directory: pathlib.Path, run: dict, scoring: Scoring, records: list) -> Scoring:
+    """`scoring` in the judge mode, reading the run's judge's kept verdicts."""
+    if "judge" not in run:
+        raise RunError(
+            f"{directory / runner.RUN_FILE}: no judge was used in this run, so parse mode judge "
+            "has no verdicts to read (eval-mllm --parse-mode judge asks one)"
+        )
+    verdicts = judge.Verdicts.load(directory, run["judge"])
+    judging = scoring.reading(JUDGE_MODE, verdicts)
+    missing = [
+        r["id"]
+        for r in records
+        if (options := judging.needs_judge(r)) is not None
+        and not verdicts.lookup(options, r["reply"])[0]
+    ]
+    if missing:
+        raise RunError(
+            f"{directory / judge.JUDGE_FILE}: {len(missing)} replies no rule reads have no "
+            f"verdict of the run's judge (the first: item {missing[0]!r}); rescore sends "
+            "nothing: rerun eval-mllm with --parse-mode judge to ask the judge"
+        )
+    return judging
+
+
+def rescore(
+    directory: str | pathlib.Path,
+    parse_modes: Sequence[str] = (),
+    out: str | pathlib.Path | None = None,
+    limit: int | None = None,
+) -> list[tuple[str | None, pathlib.Path, dict, str]]:
+    """Re-scores the run in `directory` under each of `parse_modes` (none: the run's mode) and
+    writes the results; returns (mode, results.json path, results, markdown) per mode."""
+    directory = pathlib.Path(directory)
+    run = runner.read_run_file(directory)
+    if run is None:
+        raise RunError(f"{directory / runner.RUN_FILE}: not found; is {directory} a run directory?")
+    try:
+        scoring = tasks.scoring_for(run)
+    except ValueError as e:
+        raise RunError(f"{directory / runner.RUN_FILE}: {e}") from None
+    run_mode = run.get("parse_mode") or scoring.parse_mode
+    json_name, _ = runner.results_files(limit)
+    results_path = directory / json_name
+    finished = _read_json(results_path)
+    records = _run_records(directory, finished, results_path)
+    warnings = finished.get("warnings", [])
+    target = pathlib.Path(out) if out is not None else directory
+    written = []
+    for mode in dict.fromkeys(parse_modes or [run_mode]):
+        if mode == JUDGE_MODE and JUDGE_MODE in scoring.parse_modes:
+            reading = _judged(directory, run, scoring, records)
+        else:
+            try:
+                reading = scoring.reading(mode)
+            except ValueError as e:
+                raise RunError(f"{directory}: {e}") from None
+        results, markdown = runner.build_results(
+            reading,
+            runner.run_identity(run),
+            [scored(reading, r) for r in records],
+            limit if "limit" in finished else None,
+            warnings,
+        )
+        json_name, md_name = runner.results_files(limit, None if mode == run_mode else mode)
+        files.write_atomic(target / json_name, json.dumps(results, indent=2) + "\n")
+        files.write_atomic(target / md_name, markdown)
+        written.append((mode, target / json_name, results, markdown))
+    return written
