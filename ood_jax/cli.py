@@ -19,6 +19,7 @@ import time  # noqa: E402
 from typing import Any, Sequence  # noqa: E402
 
 from ood_jax import config_files, files, help_text  # noqa: E402
+from ood_jax.detection import compare as compare_detectors  # noqa: E402
 from ood_jax.eval import cli as eval_cli  # noqa: E402
 from ood_jax.eval import compare as compare_cli  # noqa: E402
 from ood_jax.mining import cli as mining_cli  # noqa: E402
@@ -293,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     mining_cli.add_parsers(sub)
     eval_cli.add_parsers(sub)  # eval-mllm
     compare_cli.add_parsers(sub)  # compare: two eval-mllm runs on the same items
+    compare_detectors.add_parsers(sub)  # compare-detectors: two workdirs on the same splits
     # stats: OODBench's checks, plus FOCI's clip-conditional, which reads eval-mllm runs.
     eval_cli.add_stats_parsers(stats_cli.add_parsers(sub))
     return parser

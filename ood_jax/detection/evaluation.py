@@ -2,7 +2,11 @@
 
 Ground truth comes straight from the TFDS split (no JSON round trip); predictions go through
 `metrics.coco.evaluate_arrays`. Results are written as results.json, a results.md table laid out
-like COUNTS' Table 2, and a PNG bar chart of per-domain AP.
+like COUNTS' Table 2, and a PNG bar chart of per-domain AP. Every AP comes with an interval from
+a bootstrap over images (`metrics.bootstrap`, from the evaluation's own per-image matches),
+centered on the estimate (`bootstrap.centered_interval` says why), the OOD average's from
+resampling each domain's images independently; the matches are kept in matches.npz, from which
+`ood-jax compare-detectors` pairs two workdirs.
 """
 
 from __future__ import annotations
@@ -23,7 +27,11 @@ from jax.experimental import multihost_utils
 from ood_jax import boxes as box_lib
 from ood_jax import files, sharding
 from ood_jax.data import pipeline
-from ood_jax.metrics import coco
+from ood_jax.detection import compare
+from ood_jax.metrics import bootstrap, coco
+
+RESAMPLES = 1000
+CONFIDENCE = 0.95
 
 
 def coco_ground_truth(builder: tfds.core.DatasetBuilder, split: str) -> coco.GroundTruth:
@@ -164,8 +172,20 @@ class _Progress:
             print("\r\033[K" + line if self.in_place else line, flush=True)
 
 
-def summarize(step: int, iid: coco.CocoEvalResult, per_domain: Mapping[str, coco.CocoEvalResult]):
-    """results.json's content: the 12 numbers in-domain, per held-out domain, and their mean."""
+def summarize(
+    step: int,
+    iid: coco.CocoEvalResult,
+    per_domain: Mapping[str, coco.CocoEvalResult],
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+    confidence: float = CONFIDENCE,
+) -> dict[str, Any]:
+    """results.json's content: the 12 numbers in-domain, per held-out domain, and their mean,
+    with bootstrap intervals of the AP stats (`ap_intervals`).
+
+    The per-split matches ride along under "matches" (not JSON): `write_results` saves them as
+    matches.npz, which `compare-detectors` reads.
+    """
     results: dict[str, Any] = {
         "step": int(step),
         "iid": iid.stats,
@@ -176,29 +196,129 @@ def summarize(step: int, iid: coco.CocoEvalResult, per_domain: Mapping[str, coco
             name: float(np.mean([r.stats[name] for r in per_domain.values()]))
             for name in coco.STAT_NAMES
         }
+    matches, estimates = {}, {}
+    for name, r in {"iid": iid, **per_domain}.items():
+        if r.matches is None:
+            raise ValueError(f"the evaluation of '{name}' carries no per-image matches")
+        matches[name], estimates[name] = r.matches, r.stats
+    results["intervals"] = ap_intervals(matches, estimates, resamples, seed, confidence)
+    results["matches"] = matches
     return results
 
 
+def ap_intervals(
+    matches: Mapping[str, coco.Matches],
+    estimates: Mapping[str, Mapping[str, float]],
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+    confidence: float = CONFIDENCE,
+) -> dict[str, Any]:
+    """Bootstrap intervals of `bootstrap.STATS` for "iid", each other split (a
+    held-out domain) and the OOD average over the domains, whose resample b averages every
+    domain's resample b (domains drawn independently). `estimates` holds each split's plain
+    numbers, against which each stat's bootstrap bias (mean of the resamples - estimate) is
+    given with its standard error. Numbers are null where undefined (no ground truth)."""
+    resampled = {
+        name: bootstrap.split_resamples(m, resamples, seed, split=name)
+        for name, m in matches.items()
+    }
+    domains = [name for name in matches if name != "iid"]
+    out: dict[str, Any] = {
+        "method": "estimate -/+ z * bootstrap s.e. over images (percentile bounds beside)",
+        "resamples": resamples,
+        "confidence": confidence,
+        "seed": seed,
+    }
+    if "iid" in resampled:
+        out["iid"] = _intervals(resampled["iid"], estimates["iid"], confidence)
+    out["per_domain"] = {d: _intervals(resampled[d], estimates[d], confidence) for d in domains}
+    if domains:
+        average = {k: float(np.mean([estimates[d][k] for d in domains])) for k in bootstrap.STATS}
+        out["ood_average"] = _intervals(
+            bootstrap.average([resampled[d] for d in domains]), average, confidence
+        )
+    return out
+
+
+def _intervals(
+    resampled: Mapping[str, np.ndarray], estimate: Mapping[str, float], confidence: float
+) -> dict[str, Any]:
+    """Per stat: the interval centered on the estimate (`bootstrap.centered_interval`, what
+    results.md shows), the percentile bounds, the bootstrap s.e. and bias."""
+    out = {}
+    for name, values in resampled.items():
+        centered = bootstrap.centered_interval(estimate[name], values, confidence)
+        percentile = bootstrap.percentile_interval(values, confidence)
+        values = values[~np.isnan(values)]
+        defined = centered is not None and estimate[name] >= 0
+        out[name] = {
+            "low": centered[0] if defined else None,
+            "high": centered[1] if defined else None,
+            "percentile_low": percentile[0] if defined else None,
+            "percentile_high": percentile[1] if defined else None,
+            "se": float(np.std(values, ddof=1)) if defined else None,
+            "bias": float(np.mean(values) - estimate[name]) if defined else None,
+        }
+    return out
+
+
 def results_markdown(results: Mapping[str, Any], model_name: str) -> str:
-    """A table laid out like COUNTS' Table 2: in-domain mAP, each held-out domain, and Avg."""
+    """A table laid out like COUNTS' Table 2: in-domain mAP, each held-out domain, and Avg, each
+    with its bootstrap interval when results.json has them."""
     domains = list(results["per_domain"])
+    intervals = results.get("intervals")
     header = ["Model", "IID mAP", *[d.capitalize() for d in domains], "Avg"]
-    row = [model_name, results["iid"]["AP"], *[results["per_domain"][d]["AP"] for d in domains]]
-    row.append(results.get("ood_average", {}).get("AP", float("nan")))
+    cells = [
+        _ap_cell(results["iid"]["AP"], intervals and intervals.get("iid")),
+        *[
+            _ap_cell(results["per_domain"][d]["AP"], intervals and intervals["per_domain"].get(d))
+            for d in domains
+        ],
+        _ap_cell(
+            results.get("ood_average", {}).get("AP", float("nan")),
+            intervals and intervals.get("ood_average"),
+        ),
+    ]
     lines = [
         f"Results at step {results['step']} (COCO mAP@[.5:.95]; AP50 in-domain "
         f"{results['iid']['AP50']:.3f}).",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
-        "| " + " | ".join([row[0]] + [f"{v:.3f}" for v in row[1:]]) + " |",
+        "| " + " | ".join([model_name, *cells]) + " |",
     ]
+    if intervals:
+        lines += [
+            "",
+            f"[low, high]: {100 * intervals['confidence']:g}% intervals, AP -/+ z s.e. with the "
+            f"s.e. from a bootstrap over images ({intervals['resamples']} resamples, seed "
+            f"{intervals['seed']}); Avg's resamples draw each domain's images independently. "
+            "They are centered on the estimate because resampled AP is biased upwards (a "
+            "resample holds about 63% distinct images, and AP grows on fewer); results.json "
+            "also has the percentile bounds and each bias.",
+        ]
     return "\n".join(lines) + "\n"
 
 
+def _ap_cell(value: float, interval: Mapping[str, Any] | None) -> str:
+    if not interval:
+        return f"{value:.3f}"
+    bounds = interval["AP"]
+    if bounds["low"] is None:
+        return f"{value:.3f} [n/a]"
+    return f"{value:.3f} [{bounds['low']:.3f}, {bounds['high']:.3f}]"
+
+
 def write_results(workdir: str | pathlib.Path, results: Mapping[str, Any], model_name: str) -> None:
-    """results.json, results.md and per_domain_ap.png in `workdir`; each written atomically."""
+    """results.json, results.md, per_domain_ap.png and (when `summarize` put the per-split
+    matches in `results`) matches.npz in `workdir`; each written atomically."""
     workdir = pathlib.Path(workdir)
+    matches = results.get("matches")
+    results = {k: v for k, v in results.items() if k != "matches"}
+    if matches is not None:
+        compare.write_matches(workdir, matches)
+    else:  # an older evaluation's matches would no longer match results.json
+        (workdir / compare.MATCHES_FILE).unlink(missing_ok=True)
     files.write_json_atomic(workdir / "results.json", results)
     files.write_atomic(workdir / "results.md", results_markdown(results, model_name))
     files.write_atomic(workdir / "per_domain_ap.png", _bar_chart(results))

@@ -16,11 +16,17 @@ How it stays fast without per-detection Python loops:
     IoU thresholds and area ranges together;
   * precision/recall curves of all categories are segments of one sorted array; the 101
     recall points are found with integer keys and the precision envelope with `reduceat`.
+
+The matching's outcome per image (`Matches`: each detection's image, score and true/false
+positive flags per IoU threshold and area range, and each image's count of non-ignored ground
+truth) comes with every result, so statistics over images (`metrics.bootstrap`) need not match
+again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import operator
 from typing import Any, Mapping, Sequence
 
@@ -163,6 +169,134 @@ class GroundTruth:
     def group_key(self) -> np.ndarray:
         return self.image_index * len(self.category_ids) + self.category_index
 
+    def digest(self) -> str:
+        """sha256 of everything evaluation reads: two evaluations are comparable image by image
+        only on ground truth with the same digest."""
+        h = hashlib.sha256()
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            h.update(field.name.encode())
+            if isinstance(value, np.ndarray):
+                h.update(str(value.dtype).encode() + str(value.shape).encode())
+                h.update(np.ascontiguousarray(value).tobytes())
+            else:
+                h.update(repr(value).encode())
+        return h.hexdigest()
+
+
+_INDEX_FIELDS = (
+    "image_ids",
+    "category_ids",
+    "num_positive",
+    "image",
+    "category",
+    "rank",
+    "candidate",
+)
+
+
+def _narrow(values: np.ndarray) -> np.ndarray:
+    """Integers in the narrowest signed dtype holding them (int8 .. int64)."""
+    for dtype in (np.int8, np.int16, np.int32):
+        info = np.iinfo(dtype)
+        if not values.size or (values.min() >= info.min and values.max() <= info.max):
+            return values.astype(dtype)
+    return values.astype(np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Matches:
+    """What the matching decided, per image: all that accumulate needs, kept so that AP can be
+    recomputed for any reweighting of the images (a bootstrap) without matching again.
+
+    Detections are the ones evaluation keeps (the maxDets[-1] best of each (image, category))
+    in accumulate order: category, descending score, image, rank. A detection is a true
+    positive, a false positive or ignored at each (IoU threshold, area range); only the
+    candidates (detections overlapping some ground truth of their group at IoU >= 0.5) can be
+    true positives or ignored through a match, every other one is a false positive unless it
+    lies outside the area range.
+    """
+
+    image_ids: np.ndarray  # [I] sorted, as GroundTruth.image_ids
+    category_ids: np.ndarray  # [K] sorted
+    num_positive: np.ndarray  # [I, K, A] non-ignored ground truth of each image (npig's terms)
+    image: np.ndarray  # [D] image index of each detection
+    category: np.ndarray  # [D] category index, ascending
+    score: np.ndarray  # [D] float64
+    rank: np.ndarray  # [D] rank in its (image, category) by descending score, stable
+    out_of_range: np.ndarray  # [D, A] w*h outside the area range
+    candidate: np.ndarray  # [C] ascending positions into the detections
+    tp: np.ndarray  # [C, T, A] true positive
+    fp: np.ndarray  # [C, T, A] false positive (neither: ignored)
+    ground_truth: str = ""  # GroundTruth.digest() of what was matched against
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The fields as arrays (for np.savez), indices in the narrowest dtype that holds them;
+        `from_saved` reads them back."""
+        out = {f.name: np.asarray(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        for name in _INDEX_FIELDS:
+            out[name] = _narrow(out[name])
+        return out
+
+    @classmethod
+    def from_saved(cls, arrays: Mapping[str, np.ndarray], source: str) -> "Matches":
+        """The inverse of `arrays`, checking what it reads; `source` names it in errors."""
+        values = {}
+        for field in dataclasses.fields(cls):
+            if field.name not in arrays:
+                raise ValueError(f"{source}: missing field '{field.name}'")
+            values[field.name] = np.asarray(arrays[field.name])
+        values["ground_truth"] = str(values["ground_truth"])
+        for name in _INDEX_FIELDS:
+            if values[name].dtype.kind not in "iu":
+                raise ValueError(f"{source}: field '{name}' is {values[name].dtype}, not integers")
+            values[name] = values[name].astype(np.int64)
+        for name in ("out_of_range", "tp", "fp"):
+            if values[name].dtype != bool:
+                raise ValueError(f"{source}: field '{name}' is {values[name].dtype}, not bool")
+        if values["score"].dtype != np.float64:
+            raise ValueError(f"{source}: field 'score' is {values['score'].dtype}, not float64")
+        matches = cls(**values)
+        matches.check(source)
+        return matches
+
+    def check(self, source: str) -> None:
+        """Shapes that agree with each other, or ValueError naming `source` and the field."""
+        num_i, num_k, num_d, num_c = (
+            len(self.image_ids),
+            len(self.category_ids),
+            len(self.image),
+            len(self.candidate),
+        )
+        num_t, num_a = len(IOU_THRESHOLDS), len(AREA_RANGES)
+        expected = {
+            "num_positive": (num_i, num_k, num_a),
+            "category": (num_d,),
+            "score": (num_d,),
+            "rank": (num_d,),
+            "out_of_range": (num_d, num_a),
+            "tp": (num_c, num_t, num_a),
+            "fp": (num_c, num_t, num_a),
+        }
+        for name, shape in expected.items():
+            if getattr(self, name).shape != shape:
+                raise ValueError(
+                    f"{source}: field '{name}' has shape {getattr(self, name).shape}, "
+                    f"expected {shape}"
+                )
+        if num_d and not (0 <= self.image.min() and self.image.max() < num_i):
+            raise ValueError(f"{source}: field 'image' holds an index outside [0, {num_i})")
+        if num_d and not (0 <= self.category.min() and self.category.max() < num_k):
+            raise ValueError(f"{source}: field 'category' holds an index outside [0, {num_k})")
+        if num_c and not (
+            np.all(np.diff(self.candidate) > 0)
+            and self.candidate[0] >= 0
+            and self.candidate[-1] < num_d
+        ):
+            raise ValueError(f"{source}: field 'candidate' is not ascending positions < {num_d}")
+        if np.any(self.tp & self.fp):
+            raise ValueError(f"{source}: fields 'tp' and 'fp' are both set for a detection")
+
 
 @dataclasses.dataclass(frozen=True)
 class CocoEvalResult:
@@ -171,6 +305,7 @@ class CocoEvalResult:
     precision: np.ndarray  # [T, R, K, A] at maxDets=100 (pycocotools' eval['precision'][..., -1])
     recall: np.ndarray  # [T, K, A, M]
     category_names: tuple[str, ...] = ()
+    matches: Matches | None = None  # the per-image matching the numbers come from
 
     def table(self) -> str:
         return format_table(self.stats)
@@ -322,6 +457,33 @@ def _check_finite_positive(boxes: np.ndarray, what: str, values: np.ndarray) -> 
 
 
 def _evaluate(gt: GroundTruth, image_id, category_id, boxes, score) -> CocoEvalResult:
+    matches = _match(gt, image_id, category_id, boxes, score)
+    precision, recall = _accumulate(
+        matches.num_positive.sum(0, dtype=np.int64),
+        matches.category,
+        matches.rank,
+        matches.out_of_range,
+        matches.candidate,
+        tp=matches.tp,
+        fp=matches.fp,
+    )
+    stats = _summarize(precision, recall)
+    per_category = {}
+    for k, category in enumerate(gt.category_ids):
+        p = precision[:, :, k, 0]
+        per_category[int(category)] = float(np.mean(p[p > -1])) if (p > -1).any() else -1.0
+    return CocoEvalResult(
+        stats=stats,
+        per_category_ap=per_category,
+        precision=precision,
+        recall=recall,
+        category_names=gt.category_names,
+        matches=matches,
+    )
+
+
+def _match(gt: GroundTruth, image_id, category_id, boxes, score) -> Matches:
+    """evaluateImg for every image: the kept detections in accumulate order and their outcome."""
     image_index = _index_of(image_id, gt.image_ids, "detection", "image_id")
     category_index = _index_of(category_id, gt.category_ids, "detection", "category_id")
     _check_finite_positive(boxes, "detection", score)
@@ -344,8 +506,9 @@ def _evaluate(gt: GroundTruth, image_id, category_id, boxes, score) -> CocoEvalR
         gt.is_crowd[:, None] | (gt.area[:, None] < _AREA_LO) | (gt.area[:, None] > _AREA_HI)
     )  # [G, A]
     d_out_of_range = (d_area[:, None] < _AREA_LO) | (d_area[:, None] > _AREA_HI)  # [D, A]
-    num_positive = np.zeros((num_categories, num_a), np.int64)  # pycocotools' npig
-    np.add.at(num_positive, gt.category_index, ~g_ignore)
+    # pycocotools' npig, kept per image so that a bootstrap can reweight images.
+    num_positive = np.zeros((len(gt.image_ids), num_categories, num_a), np.int32)
+    np.add.at(num_positive, (gt.image_index, gt.category_index), ~g_ignore)
 
     # pycocotools concatenates images in id order, each sorted by score, then sorts stably by
     # score; the curves are built in that order, one segment per category.
@@ -365,27 +528,19 @@ def _evaluate(gt: GroundTruth, image_id, category_id, boxes, score) -> CocoEvalR
     else:
         matched, ignored = has_match, np.zeros_like(has_match)
     ignored |= ~matched & d_out_of_range[dets][:, None, :]
-    precision, recall = _accumulate(
-        num_positive,
-        d_category[acc_order],
-        rank[acc_order],
-        d_out_of_range[acc_order],
-        position[dets],
+    return Matches(
+        image_ids=gt.image_ids,
+        category_ids=gt.category_ids,
+        num_positive=num_positive,
+        image=d_image[acc_order],
+        category=d_category[acc_order],
+        score=d_score[acc_order],
+        rank=rank[acc_order],
+        out_of_range=d_out_of_range[acc_order],
+        candidate=position[dets],
         tp=matched & ~ignored,
         fp=~matched & ~ignored,
-    )
-
-    stats = _summarize(precision, recall)
-    per_category = {}
-    for k, category in enumerate(gt.category_ids):
-        p = precision[:, :, k, 0]
-        per_category[int(category)] = float(np.mean(p[p > -1])) if (p > -1).any() else -1.0
-    return CocoEvalResult(
-        stats=stats,
-        per_category_ap=per_category,
-        precision=precision,
-        recall=recall,
-        category_names=gt.category_names,
+        ground_truth=gt.digest(),
     )
 
 
@@ -469,7 +624,7 @@ def _greedy_match(d_key, d_boxes, g_key, g_boxes, g_crowd, g_ignore) -> np.ndarr
     return dets, match
 
 
-def _recall_targets(num_positive: np.ndarray) -> np.ndarray:
+def recall_targets(num_positive: np.ndarray) -> np.ndarray:
     """Smallest true-positive count v with v / npig >= each recall threshold, exactly as
     pycocotools compares them. [..., R] for num_positive [...]."""
     n = np.maximum(num_positive, 1)[..., None].astype(np.float64)
@@ -538,7 +693,7 @@ def _accumulate(num_positive, category, rank, out_of_range, cand_pos, tp, fp):
 
     # The j-th recall point of a curve: suffix maximum from its max(need_j, 1)-th true positive.
     a_c, t_c, k_c = a_i[curve_first], t_i[curve_first], k_i[curve_first]
-    need = np.maximum(_recall_targets(num_positive)[k_c, a_c], 1)  # [curves, R]
+    need = np.maximum(recall_targets(num_positive)[k_c, a_c], 1)  # [curves, R]
     found = need <= curve_len[:, None]
     curve_end = curve_first + curve_len
     bounds = np.concatenate(
