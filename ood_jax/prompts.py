@@ -13,6 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 IMAGE_PLACEHOLDER = "<image>"
+# Recorded in every eval-mllm run's manifest.json: raise it whenever a text here changes what a
+# run sends, so that two runs' numbers say whether they asked the same questions.
+PROMPTS_VERSION = 1
 
 # ----------------------------------------------------------------------------------------------
 # FOCI (Appendix A)
@@ -110,6 +113,22 @@ def oodbench_question(category: str, negated: bool = False, chain_of_thought: bo
     else:
         template = OODBENCH_ABSENCE_QUESTION if negated else OODBENCH_PRESENCE_QUESTION
     return template.format(category=category)
+
+
+# Circular evaluation (ood_jax/eval/tasks/circular.py) asks every yes/no question again with its
+# two answers listed the other way round. The paper has no such wording: this is the project's
+# own, each of the paper's two listings with only its answers exchanged.
+OODBENCH_ANSWER_ORDERS = {"(yes or no)": "(no or yes)", "Yes or No?": "No or Yes?"}
+
+
+def oodbench_answers_swapped(question: str) -> str:
+    """`question` (an OODBench yes/no question, as built or with the CoT wording) with its
+    answers listed as "no" then "yes". Raises ValueError when it lists them not exactly once."""
+    found = [listing for listing in OODBENCH_ANSWER_ORDERS if listing in question]
+    if len(found) != 1 or question.count(found[0]) != 1:
+        listings = " or ".join(repr(listing) for listing in OODBENCH_ANSWER_ORDERS)
+        raise ValueError(f"the question must list its answers once, as {listings}: {question!r}")
+    return question.replace(found[0], OODBENCH_ANSWER_ORDERS[found[0]])
 
 
 def bap_question(level: str, a: str, b: str | None = None) -> str:

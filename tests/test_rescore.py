@@ -300,3 +300,12 @@ def test_counts_oodg_grounding_is_audited_and_rescored(tmp_path):
     assert last["mapping"] == run["mapping"] and last["localization"] == run["localization"]
     with pytest.raises(runner.RunError, match="counts-oodg reads replies under parse mode"):
         rescore.rescore(tmp_path / "run", ["foci"])
+
+
+def test_rescore_keeps_the_runs_prices(foci, tmp_path):
+    with ChatServer(shaped) as server:
+        eval_foci(server.url, foci, tmp_path / "run", "--price-in", "2", "--price-out", "8")
+    results = json.loads((tmp_path / "run" / runner.RESULTS_JSON).read_text())
+    assert results["cost"]["prices"]["input"] == 2
+    (rescored,) = run_cli(["rescore", str(tmp_path / "run"), "--parse-mode", "last"])
+    assert rescored["cost"] == results["cost"]

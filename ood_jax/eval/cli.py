@@ -11,7 +11,8 @@ Each subcommand's `run` takes the parsed arguments.
 
 eval-mllm's exit status says how the run went (EXIT_CODES, also in its --help): 0 only when every
 item of the run has a reply; EXIT_INCOMPLETE when some requests failed for good (rerun to retry
-them); EXIT_STOPPED when the run stopped early because items in a row failed the same way.
+them); EXIT_STOPPED when the run stopped early because items in a row failed the same way, or a
+limit of --max-requests / --max-cost was reached.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ EXIT_CODES = (
     f"  {EXIT_INCOMPLETE}    the run finished with failed requests (or judge requests); rerun "
     "the same command to retry them\n"
     f"  {EXIT_STOPPED}    stopped early: --max-consecutive-failures items in a row failed the "
-    "same way\n"
+    "same way, or --max-requests / --max-cost was reached; rerun the same command to continue\n"
     "  130  interrupted (Ctrl-C); rerun the same command to continue"
 )
 
@@ -163,6 +164,16 @@ def _add_eval_mllm(subparsers) -> None:
         help="only the first N items; their results go to OUTPUT/results.limitN.{json,md}",
     )
     p.add_argument(
+        "--circular",
+        type=int,
+        metavar="N",
+        help="circular evaluation, N times the requests: foci asks every item under N cyclic "
+        "shifts of its options (2-4; 4: MMBench's CircularEval), oodbench (N=2) every question "
+        "with its answers also listed 'no' first, paired with its negation; results add the "
+        "accuracy with every rotation right, the letters picked and the yes-bias. Part of the "
+        "run's identity; --limit counts the rotated items",
+    )
+    p.add_argument(
         "--concurrency",
         type=int,
         default=clients.DEFAULT_CONCURRENCY,
@@ -248,6 +259,32 @@ def _add_eval_mllm(subparsers) -> None:
         default=runner.DEFAULT_MAX_CONSECUTIVE_FAILURES,
         help="stop the run when this many items in a row fail with the same kind of error, "
         f"keeping every reply (default {runner.DEFAULT_MAX_CONSECUTIVE_FAILURES}; 0: never)",
+    )
+    cost = p.add_argument_group("cost and limits (--endpoint, --local)")
+    cost.add_argument(
+        "--price-in",
+        type=float,
+        metavar="PRICE",
+        help="price of a million prompt tokens; with --price-out, results.json and results.md "
+        "price the token usage the server reports. Not part of the run's identity: OUTPUT "
+        "keeps the last prices given",
+    )
+    cost.add_argument(
+        "--price-out", type=float, metavar="PRICE", help="price of a million completion tokens"
+    )
+    cost.add_argument(
+        "--max-requests",
+        type=int,
+        metavar="N",
+        help="stop (exit 4, every reply kept) before this invocation's request N+1; a request "
+        "is one item asked, its retries included; a rerun continues",
+    )
+    cost.add_argument(
+        "--max-cost",
+        type=float,
+        metavar="COST",
+        help="stop (exit 4, every reply kept) once this invocation's replies cost this much at "
+        "--price-in/--price-out (requests already out still finish); a rerun continues",
     )
     p.add_argument(
         "--strip-think",
@@ -355,6 +392,7 @@ def _check_eval_arguments(args: argparse.Namespace) -> None:
         ("--max-attempts", args.max_attempts, 1),
         ("--retry-budget", args.retry_budget, 0),
         ("--max-consecutive-failures", args.max_consecutive_failures, 0),
+        ("--max-requests", args.max_requests, 0),
         ("--batch-size", args.batch_size, 1),
         ("--judge-max-tokens", args.judge_max_tokens, 1),
     ):
@@ -364,6 +402,30 @@ def _check_eval_arguments(args: argparse.Namespace) -> None:
         raise _fail(f"--timeout must be positive, got {args.timeout}")
     if not args.max_retry_after >= 0:
         raise _fail(f"--max-retry-after must be non-negative, got {args.max_retry_after}")
+    _check_cost_arguments(args)
+
+
+def _check_cost_arguments(args: argparse.Namespace) -> None:
+    for flag, value in (
+        ("--price-in", args.price_in),
+        ("--price-out", args.price_out),
+        ("--max-cost", args.max_cost),
+    ):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise _fail(f"{flag} must be a non-negative number, got {value}")
+    if (args.price_in is None) != (args.price_out is None):
+        raise _fail("--price-in and --price-out go together: the prices of prompt and completion")
+    if args.clip and any(v is not None for v in (args.price_in, args.max_requests, args.max_cost)):
+        raise _fail(
+            "--price-in, --price-out, --max-requests and --max-cost apply to "
+            "--endpoint and --local, not --clip"
+        )
+
+
+def _prices(args: argparse.Namespace) -> runner.Prices | None:
+    if args.price_in is None:
+        return None
+    return runner.Prices(args.price_in, args.price_out)
 
 
 def _make_client(args: argparse.Namespace, max_tokens: int):
@@ -437,6 +499,7 @@ def run_eval_mllm(args: argparse.Namespace) -> dict:
             setting=args.setting,
             ice=args.ice,
             task=args.task,
+            circular=args.circular,
         )
     except ValueError as e:
         raise _fail(str(e)) from None
@@ -469,9 +532,15 @@ def run_eval_mllm(args: argparse.Namespace) -> dict:
                 warnings=_interleaving_warnings(args, benchmark),
                 parse_mode=args.parse_mode,
                 judge=_make_judge(args),
+                prices=_prices(args),
+                max_requests=args.max_requests,
+                max_cost=args.max_cost,
             )
     except (runner.RunError, tasks.ItemsError, FileNotFoundError) as e:
         raise _fail(str(e)) from None
+    except runner.LimitReached as e:
+        print(f"stopped: {e}; rerun the same command to continue", file=sys.stderr)
+        raise SystemExit(EXIT_STOPPED) from None
     except runner.RunStopped as e:
         print(
             f"stopped: {e}. To fix: {fix_for(e.kind)}; then rerun the same command to continue",

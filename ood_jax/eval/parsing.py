@@ -25,6 +25,10 @@ from collections.abc import Sequence
 
 from ood_jax.prompts import MAPPING_COLORS
 
+# Recorded in every eval-mllm run's manifest.json: raise it whenever a change here reads some
+# reply differently (tests/test_parsing.py's tables say which), since the scores move with it.
+PARSER_VERSION = 1
+
 _LETTERS = string.ascii_uppercase
 
 _THINK_OPEN = re.compile(r"<think>", re.IGNORECASE)

@@ -122,6 +122,7 @@ def rescore(
             [scored(reading, r) for r in records],
             limit if "limit" in finished else None,
             warnings,
+            prices=runner.stored_prices(run, directory / runner.RUN_FILE),
         )
         json_name, md_name = runner.results_files(limit, None if mode == run_mode else mode)
         files.write_atomic(target / json_name, json.dumps(results, indent=2) + "\n")

@@ -53,6 +53,27 @@ never waits for a request still out; a client that takes a RunControl (the HTTP 
 abandons its waits, adapts its concurrency and spends one retry budget across the run
 (ood_jax.eval.clients).
 
+Limits per invocation (`max_requests`, `max_cost`) stop a run the same way (LimitReached, a
+RunStopped; every reply kept, no results written), checked before each request. A request is one
+item asked (its retries are the retry budget's): --max-requests N sends N. The cost is counted
+from the token usage the server reports, at `prices` per million prompt / completion tokens; the
+run stops once what it spent reaches --max-cost. Requests already out by then still finish and
+are kept, so it may spend up to 2 * concurrency - 2 replies more (none with concurrency 1). A
+reply without usage cannot be priced, so under --max-cost it stops the run. Failed requests
+count as costing nothing, and the judge's requests are not counted. A rerun starts its counts
+from zero and continues where the last one stopped. The prices are not part of the identity:
+run.json keeps the last ones given (a rerun without them keeps those), and results.json /
+results.md price the usage of every record ("cost").
+
+DIR/manifest.json (ood_jax.manifest) says what the run was made with and what it spent: the
+benchmark and its data (the TFDS builds read, or the items file, with digests; "items": the count
+and `manifest.items_digest` of the run's (id, digest) pairs, equal for two runs exactly when
+`ood-jax compare` finds the same ids with the same digests), the client's identity and the model
+ids the server reported, where the requests went, the prompt and parser versions, the limits and
+prices, and this invocation's totals (requests sent, replies, failures, attempts, tokens, cost).
+It is written when the run starts and again when it ends, whichever way: "complete",
+"incomplete", "stopped", "interrupted" or "failed".
+
 `ood-jax eval-mllm` (ood_jax.eval.cli) exits 0 when the run is complete with no failed item,
 3 (EXIT_INCOMPLETE) when it finished with failed items, 4 (EXIT_STOPPED) when it stopped early,
 130 on Ctrl-C, and 1 on a usage or data error (one "error:" line).
@@ -63,16 +84,18 @@ ood_jax.eval.tasks), the replies from a client of ood_jax.eval.clients.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
 import queue
 import sys
 import threading
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
-from ood_jax import files
+from ood_jax import files, manifest, prompts
 from ood_jax.eval import parsing
 from ood_jax.eval.clients import (
     DEFAULT_CONCURRENCY,
@@ -101,9 +124,12 @@ LEGACY_IDENTITY = {
     "extra_body": {},
     "strip_think": False,
 }
-# What run.json holds beside the identity: how the replies are read. The parse mode was part of
-# the identity of older runs; it is now only the mode the results were last written with.
-SCORING_KEYS = ("parse_mode", "judge")
+# What run.json holds beside the identity: how the replies are read and priced. The parse mode
+# was part of the identity of older runs; it is now only the mode the results were last written
+# with. Prices change no reply, so they are no part of the identity either.
+SCORING_KEYS = ("parse_mode", "judge", "prices")
+# Token prices are per this many tokens, as vendors quote them.
+PRICE_UNIT_TOKENS = 1_000_000
 
 
 def results_files(limit: int | None = None, parse_mode: str | None = None) -> tuple[str, str]:
@@ -127,6 +153,11 @@ class RunStopped(RuntimeError):
     def __init__(self, message: str, kind: str, error: str, kept: int):
         super().__init__(message)
         self.kind, self.error, self.kept = kind, error, kept
+
+
+class LimitReached(RunStopped):
+    """A limit of this invocation (--max-requests, --max-cost: `kind`) stopped the run before
+    its next request; every reply received is kept, and a rerun continues."""
 
 
 class Client(Protocol):
@@ -380,7 +411,159 @@ def summary_markdown(results: dict) -> str:
         line += (
             f" Tokens: {usage['prompt_tokens']} prompt, {usage['completion_tokens']} completion."
         )
+    if "cost" in results:
+        line += " " + cost_markdown(results["cost"], usage)
     return line
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost and limits
+# ---------------------------------------------------------------------------------------------
+
+
+def _priceable(usage: dict | None) -> bool:
+    """Whether a reply's usage says both what it read and what it wrote."""
+    return bool(usage) and "prompt_tokens" in usage and "completion_tokens" in usage
+
+
+@dataclasses.dataclass(frozen=True)
+class Prices:
+    """What PRICE_UNIT_TOKENS prompt tokens (`input`) and completion tokens (`output`) cost, in
+    whatever currency they are given in."""
+
+    input: float
+    output: float
+
+    def __post_init__(self):
+        for flag, value in (("--price-in", self.input), ("--price-out", self.output)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{flag} must be a number, got {value!r}")
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{flag} must be a non-negative number, got {value!r}")
+
+    def cost(self, usage: dict) -> dict:
+        """{"input", "output", "total"}: what `usage`'s prompt and completion tokens cost."""
+        spent_in = usage.get("prompt_tokens", 0) * self.input / PRICE_UNIT_TOKENS
+        spent_out = usage.get("completion_tokens", 0) * self.output / PRICE_UNIT_TOKENS
+        return {"input": spent_in, "output": spent_out, "total": spent_in + spent_out}
+
+    def to_json(self) -> dict:
+        return {"input": self.input, "output": self.output, "per_tokens": PRICE_UNIT_TOKENS}
+
+
+def stored_prices(run: dict | None, where: pathlib.Path) -> Prices | None:
+    """The prices a run.json keeps (None: none were given yet)."""
+    kept = (run or {}).get("prices")
+    if kept is None:
+        return None
+    try:
+        return Prices(kept["input"], kept["output"])
+    except (TypeError, KeyError, ValueError) as e:
+        raise RunError(f"{where}: 'prices' is not what eval-mllm writes ({e})") from None
+
+
+def cost_summary(records: Sequence[dict], prices: Prices) -> dict:
+    """results.json's "cost": the prices, what the records' summed usage cost, and how many
+    replies reported no prompt and completion counts (counted as costing nothing)."""
+    usage = _usage_total(records)
+    unpriced = sum(r["error"] is None and not _priceable(r.get("usage")) for r in records)
+    return {
+        "prices": prices.to_json(),
+        **prices.cost(usage),
+        "replies_without_usage": unpriced,
+    }
+
+
+def cost_markdown(cost: dict, usage: dict) -> str:
+    prices = cost["prices"]
+    line = (
+        f"Cost: {cost['total']:.4f} ({usage.get('prompt_tokens', 0)} prompt tokens at "
+        f"{prices['input']:g} and {usage.get('completion_tokens', 0)} completion tokens at "
+        f"{prices['output']:g} per {prices['per_tokens']:,})."
+    )
+    if cost["replies_without_usage"]:
+        line += (
+            f" {cost['replies_without_usage']} replies reported no token counts and are not in it."
+        )
+    return line
+
+
+class Spent:
+    """What this invocation of a run sent and got back: requests (items asked), replies,
+    failed requests, HTTP attempts, tokens (summed as the server reported them)."""
+
+    def __init__(self):
+        self.requests = self.replies = self.failures = self.attempts = 0
+        self.tokens: dict[str, int] = {}
+        # Replies without prompt and completion counts: their cost is unknown.
+        self.unpriced, self.first_unpriced = 0, None
+
+    def received(self, item_id: str, reply: Reply | None, error: ClientError | None) -> None:
+        if reply is None:
+            self.failures += 1
+            self.attempts += error.attempts
+            return
+        self.replies += 1
+        self.attempts += reply.attempts
+        for key, value in (reply.usage or {}).items():
+            self.tokens[key] = self.tokens.get(key, 0) + value
+        if not _priceable(reply.usage):
+            self.unpriced += 1
+            self.first_unpriced = self.first_unpriced or item_id
+
+    def cost(self, prices: Prices | None) -> float | None:
+        return prices.cost(self.tokens)["total"] if prices is not None else None
+
+    def to_json(self, prices: Prices | None) -> dict:
+        totals = {
+            "requests": self.requests,
+            "replies": self.replies,
+            "failures": self.failures,
+            "attempts": self.attempts,
+            "tokens": dict(self.tokens),
+        }
+        if prices is not None:
+            totals["cost"] = self.cost(prices)
+            totals["replies_without_usage"] = self.unpriced
+        return totals
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one invocation may send (None: no limit): `max_requests` items asked, and requests
+    while the cost of its replies is below `max_cost`."""
+
+    max_requests: int | None = None
+    max_cost: float | None = None
+
+    def __post_init__(self):
+        if self.max_requests is not None and not (
+            isinstance(self.max_requests, int) and self.max_requests >= 0
+        ):
+            raise ValueError(
+                f"--max-requests must be a non-negative integer, got {self.max_requests!r}"
+            )
+        if self.max_cost is not None and not (math.isfinite(self.max_cost) and self.max_cost >= 0):
+            raise ValueError(f"--max-cost must be a non-negative number, got {self.max_cost!r}")
+
+    def reached(self, spent: Spent, prices: Prices | None) -> tuple[str, str] | None:
+        """(the limit, why) when the next request must not go out; None while it may."""
+        if self.max_requests is not None and spent.requests >= self.max_requests:
+            return "--max-requests", (
+                f"--max-requests {self.max_requests} reached: this run sent {spent.requests} "
+                "requests"
+            )
+        if self.max_cost is None:
+            return None
+        if spent.first_unpriced is not None:
+            return "--max-cost", (
+                f"--max-cost {self.max_cost:g} cannot be kept: the reply to item "
+                f"{spent.first_unpriced!r} reports no prompt and completion token counts"
+            )
+        cost = spent.cost(prices)
+        if cost >= self.max_cost:
+            return "--max-cost", f"--max-cost {self.max_cost:g} reached: this run spent {cost:.6g}"
+        return None
 
 
 def _record(
@@ -417,10 +600,11 @@ def build_results(
     records: Sequence[dict],
     limit: int | None = None,
     warnings: Sequence[str] = (),
+    prices: Prices | None = None,
 ) -> tuple[dict, str]:
     """(results.json's object, results.md's text) of `records`, each already `scored` by
     `scoring`: the one way results are made, for a run and for a re-scoring. `limit`: the
-    records are the first `limit` items only."""
+    records are the first `limit` items only; `prices`: the usage is priced ("cost")."""
     judged = audit.judge_summary(scoring, records)
     parser = audit.parser_audit(scoring, records)
     results = {
@@ -432,6 +616,7 @@ def build_results(
         "complete": all(r["error"] is None for r in records)
         and not (judged and judged["without_verdict"]),
         **outcome_summary(records),
+        **({"cost": cost_summary(records, prices)} if prices is not None else {}),
         **scoring.results(records),
         "intervals": INTERVALS,
         **({"judge": judged} if judged else {}),
@@ -479,8 +664,102 @@ def _check_digests(benchmark: Benchmark, store: PredictionStore, limit: int | No
             )
 
 
+# ---------------------------------------------------------------------------------------------
+# The manifest
+# ---------------------------------------------------------------------------------------------
+
+
+def _dataset(benchmark: Benchmark) -> dict:
+    """Where the benchmark's items come from, as its task keeps it: the built TFDS directories
+    (DATA_DIR/NAME/CONFIG/VERSION; foci one per config, oodbench one) or the items file
+    (counts-oodg), with digests. What the items are is the items digest's job."""
+    builds = dict(getattr(benchmark, "directories", None) or {})
+    one = getattr(benchmark, "directory", None)
+    if isinstance(one, pathlib.Path):
+        builds[one.parent.name] = one
+    dataset: dict[str, Any] = {"name": benchmark.name}
+    if builds:
+        dataset["builds"] = [
+            {
+                "name": path.parent.parent.name,
+                "config": path.parent.name,
+                "version": path.name,
+                "path": str(path.resolve()),
+                "digest": manifest.tfds_digest(path)["sha256"],
+            }
+            for path in builds.values()
+        ]
+    items_file = getattr(benchmark, "path", None)
+    if isinstance(items_file, pathlib.Path) and items_file.is_file():
+        dataset["items_file"] = {
+            "path": str(items_file.resolve()),
+            "sha256": manifest.file_sha256(items_file),
+        }
+    return dataset
+
+
+def _without_credentials(url: str) -> str:
+    """An endpoint as a manifest may show it: no user, password or query (where keys hide)."""
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.hostname or ""
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+# The load settings of ood_jax.eval.clients' clients a manifest reports, where a client has them.
+_CLIENT_SETTINGS = (
+    "api_key_env",
+    "timeout_s",
+    "max_attempts",
+    "backoff_base_s",
+    "max_retry_after_s",
+    "device",
+)
+
+
+def _client_manifest(client: Client, limits: Limits, **options: Any) -> dict:
+    """What the manifest says of a client run: the client's identity (and a local model's
+    weights digest), where the requests went and how, the limits and the prices."""
+    identity = client.identity()
+    model = dict(identity)
+    path = getattr(client, "path", None)
+    if identity.get("client") == "transformers" and isinstance(path, str):
+        model["weights"] = manifest.weights_digest(path)
+    request = {}
+    endpoint = getattr(client, "endpoint", None)
+    if isinstance(endpoint, str):
+        request["endpoint"] = _without_credentials(endpoint)
+    request.update({k: getattr(client, k) for k in _CLIENT_SETTINGS if hasattr(client, k)})
+    request.update(options, max_requests=limits.max_requests, max_cost=limits.max_cost)
+    return {
+        "model": model,
+        "request": request,
+        "packages": ("transformers", "torch") if identity.get("client") == "transformers" else (),
+    }
+
+
+def _ending(error: BaseException) -> dict:
+    """The manifest's status (and its reason) for a run that `error` ended."""
+    if isinstance(error, RunStopped):
+        return {"status": "stopped", "reason": str(error)}
+    return manifest.ending(error)
+
+
+def _check_priced(limits: Limits, prices: Prices | None, directory: pathlib.Path) -> None:
+    """A cost limit needs prices: given now, or kept in run.json by an earlier invocation."""
+    if limits.max_cost is None or prices is not None:
+        return
+    if stored_prices(read_run_file(directory), directory / RUN_FILE) is None:
+        raise RunError(
+            f"--max-cost needs prices: --price-in and --price-out ({directory / RUN_FILE} "
+            "keeps none yet)"
+        )
+
+
 class _Session:
-    """What a run shares between its answering loop and its ending: store, ids, progress."""
+    """What a run shares between its answering loop and its ending: store, ids, progress, what
+    this invocation spent, and the manifest."""
 
     def __init__(
         self,
@@ -493,7 +772,12 @@ class _Session:
         warnings: Sequence[str] = (),
         parse_mode: str | None = None,
         judge: Judge | None = None,
+        *,
+        about: dict,
+        prices: Prices | None = None,
     ):
+        """`about`: the manifest's fields for this kind of run (`model`, `request`, and
+        `packages` and `devices` for manifest.collect); `prices`: None keeps run.json's."""
         if limit is not None and limit < 0:
             raise ValueError(f"limit must be non-negative, got {limit}")
         self.benchmark, self.identity, self.limit = benchmark, identity, limit
@@ -505,24 +789,66 @@ class _Session:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.run_file = _check_run_file(self.directory, identity)
         self.scoring = _scoring_mode(self.directory, benchmark, self.run_file, parse_mode, judge)
+        self.prices = (
+            prices
+            if prices is not None
+            else stored_prices(self.run_file, self.directory / RUN_FILE)
+        )
         self._write_run_file(
             judge=judge.identity() if judge is not None else None,
             # A new run records its mode at once, so that a killed one resumes with it.
             parse_mode=None if "parse_mode" in (self.run_file or {}) else self.scoring.parse_mode,
+            prices=prices.to_json() if prices is not None else None,
         )
         self.store = PredictionStore(self.directory / PREDICTIONS_FILE)
         if self.store.records:
             _check_digests(benchmark, self.store, limit)
         self.order: list[str] = []
         self.failed = 0
+        self.spent = Spent()
+        self.served_models: set[str] = set()
+        self.manifest = self._start_manifest(about)
         total = benchmark.count()
         if total is not None and limit is not None:
             total = min(total, limit)
         self.progress = Progress(total, benchmark.name, progress)
 
+    def _start_manifest(self, about: dict) -> dict:
+        about = dict(about)
+        started = manifest.collect(
+            "eval-mllm",
+            devices=about.pop("devices", False),
+            packages=about.pop("packages", ()),
+            benchmark=self.benchmark.identity(),
+            dataset=_dataset(self.benchmark),
+            **about,
+            prompts={"version": prompts.PROMPTS_VERSION},
+            parser={"version": parsing.PARSER_VERSION, "parse_mode": self.scoring.parse_mode},
+            judge=self.judge.identity() if self.judge is not None else None,
+            strip_think=self.strip_think,
+            limit=self.limit,
+            prices=self.prices.to_json() if self.prices is not None else None,
+        )
+        try:
+            manifest.write(self.directory, started)
+        except manifest.ManifestError as e:
+            raise RunError(str(e)) from None
+        return started
+
+    def _end_manifest(self, status: str, **fields: Any) -> None:
+        manifest.finish(
+            self.directory,
+            self.manifest,
+            status,
+            served_models=sorted(self.served_models),
+            totals=self.spent.to_json(self.prices),
+            **fields,
+        )
+
     def _write_run_file(self, **scoring: Any) -> None:
         """run.json: this run's identity (an older file, which matched it, gains the keys it
-        lacked), then the scoring keys (a new judge, the results' mode); written when changed."""
+        lacked), then the scoring keys (a new judge, the results' mode, the prices); written
+        when changed."""
         kept = {k: v for k, v in (self.run_file or {}).items() if k in SCORING_KEYS}
         kept.update({k: v for k, v in scoring.items() if v is not None})
         content = {**self.identity, **kept}
@@ -551,14 +877,44 @@ class _Session:
                 continue
             yield item
 
+    def sent(self, requests: int = 1) -> None:
+        self.spent.requests += requests
+
     def record(
         self, item: Item, reply: Reply | None, error: ClientError | None, **postfix: Any
     ) -> None:
         self.store.append(_record(self.scoring, item, reply, error, self.strip_think))
         self.failed += error is not None
+        self.spent.received(item.id, reply, error)
+        if reply is not None and reply.model:
+            self.served_models.add(reply.model)
         self.progress.update(failed=self.failed, **postfix)
 
     def finish(self) -> dict:
+        """Judges, re-reads every reply, writes the results and ends the manifest."""
+        try:
+            results, json_name = self._write_results()
+        except BaseException as error:
+            self._end_manifest(**_ending(error))
+            raise
+        records = [self.store.records[i] for i in self.order]
+        self._end_manifest(
+            "complete" if results["complete"] else "incomplete",
+            items={
+                "count": len(records),
+                "digest": manifest.items_digest((r["id"], r["digest"]) for r in records),
+            },
+            results={
+                "file": json_name,
+                "num_items": results["num_items"],
+                "complete": results["complete"],
+                "usage": results.get("usage", {}),
+                **({"cost": results["cost"]["total"]} if "cost" in results else {}),
+            },
+        )
+        return results
+
+    def _write_results(self) -> tuple[dict, str]:
         self.progress.close()
         records = [self.store.records[i] for i in self.order]
         if self.judge is not None:
@@ -571,13 +927,13 @@ class _Session:
         records = [self.store.records[i] for i in self.order]
         limit = self.limit if self.subset else None
         results, markdown = build_results(
-            self.scoring, self.identity, records, limit, self.warnings
+            self.scoring, self.identity, records, limit, self.warnings, self.prices
         )
         json_name, md_name = results_files(limit)
         files.write_atomic(self.directory / json_name, json.dumps(results, indent=2) + "\n")
         files.write_atomic(self.directory / md_name, markdown)
         self._write_run_file(parse_mode=self.scoring.parse_mode)
-        return results
+        return results, json_name
 
     def kept(self) -> int:
         return sum(r["error"] is None for r in self.store.records.values())
@@ -598,9 +954,17 @@ class _Session:
             kept,
         )
 
-    def abort(self) -> None:
+    def limit_reached(self, limit: str, why: str) -> LimitReached:
+        kept = self.kept()
+        return LimitReached(f"{why}; {kept} replies kept in {self.store.path}", limit, why, kept)
+
+    def abort(self, error: BaseException) -> BaseException:
+        """Closes what the run has open and ends the manifest with `error`'s status; returns
+        `error`, for the caller to raise."""
         self.progress.close()
         self.store.close()
+        self._end_manifest(**_ending(error))
+        return error
 
 
 class Streak:
@@ -623,6 +987,12 @@ class Streak:
 
 class _TooManyFailures(Exception):
     pass
+
+
+class _LimitHit(Exception):
+    def __init__(self, limit: str, why: str):
+        super().__init__(why)
+        self.limit, self.why = limit, why
 
 
 class Workers:
@@ -667,6 +1037,9 @@ class Workers:
             # Whatever stops a call (a KeyboardInterrupt or SystemExit raised in this thread too)
             # goes to the main thread, which keeps the replies that arrived alongside.
             except BaseException as crash:
+                # The run is over: no worker takes another job (one already queued would be
+                # asked, and its reply never recorded).
+                self._stopped.set()
                 self.done.put((job, None, None, crash))
             else:
                 self.done.put((job, answer, error, None))
@@ -686,6 +1059,9 @@ def run(
     warnings: Sequence[str] = (),
     parse_mode: str | None = None,
     judge: Judge | None = None,
+    prices: Prices | None = None,
+    max_requests: int | None = None,
+    max_cost: float | None = None,
 ) -> dict:
     """Asks `client` every item of `benchmark` not yet answered in `output`; returns the results.
 
@@ -699,10 +1075,13 @@ def run(
     results.json and results.md). `parse_mode`: how replies are read (None: the mode the
     directory's results were last written with, else the benchmark's default); `judge`: the
     judge parse mode's judge (ood_jax.eval.judge.Judge), asked at the end about every reply no
-    rule reads. A request that fails for good (`ClientError`) is recorded with its error
-    and retried by the next run; any other exception stops the run after recording the replies
-    already received, and a KeyboardInterrupt is re-raised with a message saying how many
-    replies were kept, and where.
+    rule reads. `prices`: what a million prompt and completion tokens cost (None: the prices
+    run.json keeps, if any); `max_requests`, `max_cost`: this invocation's limits (see the
+    module docstring), which stop the run with LimitReached. A request that fails for good
+    (`ClientError`) is recorded with its error and retried by the next run; any other exception
+    stops the run after recording the replies already received, and a KeyboardInterrupt is
+    re-raised with a message saying how many replies were kept, and where. DIR/manifest.json
+    is written at the start and at the end, however the run ends.
     """
     concurrency = min(concurrency, getattr(client, "concurrency_limit", concurrency))
     if concurrency < 1:
@@ -711,9 +1090,28 @@ def run(
         raise ValueError(
             f"max_consecutive_failures must be non-negative, got {max_consecutive_failures}"
         )
+    limits = Limits(max_requests, max_cost)
+    _check_priced(limits, prices, pathlib.Path(output))
     identity = {**benchmark.identity(), **client.identity(), "strip_think": strip_think}
+    about = _client_manifest(
+        client,
+        limits,
+        concurrency=concurrency,
+        retry_budget=retry_budget,
+        max_consecutive_failures=max_consecutive_failures,
+    )
     session = _Session(
-        benchmark, identity, output, limit, progress, strip_think, warnings, parse_mode, judge
+        benchmark,
+        identity,
+        output,
+        limit,
+        progress,
+        strip_think,
+        warnings,
+        parse_mode,
+        judge,
+        about=about,
+        prices=prices,
     )
     control = (
         RunControl(concurrency, retry_budget)
@@ -743,16 +1141,26 @@ def run(
             raise _TooManyFailures
 
     try:
+        hit = None
         for item in session.pending():
-            workers.submit(item)
-            in_flight += 1
             # A bounded window keeps memory flat however many items there are.
-            while in_flight > 2 * concurrency - 1:
+            while in_flight >= 2 * concurrency - 1:
                 in_flight -= 1
                 settle(workers.next_done())
+            # Checked before each request, against every reply settled so far (all of them
+            # with concurrency 1).
+            hit = limits.reached(session.spent, session.prices)
+            if hit is not None:
+                break
+            workers.submit(item)
+            session.sent()
+            in_flight += 1
+        # Requests already out finish, also after a limit: what they cost is spent.
         while in_flight:
             in_flight -= 1
             settle(workers.next_done())
+        if hit is not None:
+            raise _LimitHit(*hit)
     except BaseException as e:
         # Requests still out are abandoned, those not yet sent dropped; replies that already
         # came back are kept.
@@ -760,11 +1168,13 @@ def run(
             control.abandon()
         workers.stop()
         _keep_finished(workers, session)
-        session.abort()
         if isinstance(e, KeyboardInterrupt):
-            raise session.interrupted() from e
+            raise session.abort(session.interrupted()) from e
         if isinstance(e, _TooManyFailures):
-            raise session.stopped(streak) from None
+            raise session.abort(session.stopped(streak)) from None
+        if isinstance(e, _LimitHit):
+            raise session.abort(session.limit_reached(e.limit, e.why)) from None
+        session.abort(e)
         raise
     workers.stop()
     return session.finish()
@@ -790,17 +1200,22 @@ def run_batched(
     progress: bool = True,
     parse_mode: str | None = None,
 ) -> dict:
-    """`run` for answerers that work on batches (the CLIP baseline): same files, same resume."""
+    """`run` for answerers that work on batches (the CLIP baseline): same files, same resume,
+    and a manifest whose "model" is `identity` and whose devices are jax's (they compute here)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    about = {"model": dict(identity), "request": {"batch_size": batch_size}, "devices": True}
     identity = {**benchmark.identity(), **identity}
-    session = _Session(benchmark, identity, output, limit, progress, parse_mode=parse_mode)
+    session = _Session(
+        benchmark, identity, output, limit, progress, parse_mode=parse_mode, about=about
+    )
     batch: list[Item] = []
 
     def flush() -> None:
         replies = answer_batch(batch)
         if len(replies) != len(batch):
             raise RuntimeError(f"answered {len(replies)} of a batch of {len(batch)} items")
+        session.sent(len(batch))
         for item, reply in zip(batch, replies):
             session.record(item, Reply.of(reply), None)
         batch.clear()
@@ -813,8 +1228,8 @@ def run_batched(
         if batch:
             flush()
     except BaseException as e:
-        session.abort()
         if isinstance(e, KeyboardInterrupt):
-            raise session.interrupted() from e
+            raise session.abort(session.interrupted()) from e
+        session.abort(e)
         raise
     return session.finish()

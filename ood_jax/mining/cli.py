@@ -2,6 +2,13 @@
 
 Each run function takes the parsed arguments and a scorer factory, path -> scorer (by default
 `ood_jax.scorers.from_hf`, imported only when a scorer is loaded), so tests can pass their own.
+
+Each run writes a manifest (ood_jax.manifest) when it starts and when it ends, however it ends:
+beside what it writes, named after it (foci_options.json -> foci_options.manifest.json,
+splits.jsonl -> splits.manifest.json, oodg's directory items/ -> items.manifest.json). It holds
+the command's options, the data read (the source directory or TFDS build, and a digest of the
+records: FOCI's (image, label) list, OODBench's (image, category) pairs, OODG's test images),
+each scorer's path, identity and weights' digest, jax's devices, and the output's SHA-256.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ood_jax import files, help_text
+from ood_jax import files, help_text, manifest
 
 ScorerFactory = Callable[[str], Any]
 
@@ -32,6 +39,55 @@ def _load_scorer(factory: ScorerFactory | None, path: str):
 
 def _fail(error: Exception) -> SystemExit:
     return SystemExit(f"error: {error}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Manifests
+# ---------------------------------------------------------------------------------------------
+
+
+def manifest_path(out: str | pathlib.Path, directory: bool = False) -> pathlib.Path:
+    """Where the manifest of a mining run writing `out` (a file, or a `directory`) goes: beside
+    it, named after it, so that outputs in one directory each keep their own, and an output
+    directory holds only what the run made (two runs with the same arguments, the same files)."""
+    out = pathlib.Path(out)
+    return out.with_name(f"{out.name if directory else out.stem}.manifest.json")
+
+
+def _start_manifest(command: str, args: argparse.Namespace, devices: bool, **fields) -> dict:
+    options = {k: v for k, v in vars(args).items() if k not in ("run", "command", "mine_command")}
+    return manifest.collect(
+        f"mine {command}",
+        devices=devices,
+        packages=("transformers", "tensorflow-datasets"),
+        options=options,
+        **fields,
+    )
+
+
+def _recording(out: str | pathlib.Path, record: dict, directory: bool = False):
+    """manifest.recording for a run that writes `out` (a file, or a `directory`)."""
+    path = manifest_path(out, directory)
+    return manifest.recording(path.parent, record, name=path.name)
+
+
+def _records(pairs) -> dict:
+    pairs = list(pairs)
+    return {"count": len(pairs), "digest": manifest.items_digest(pairs)}
+
+
+def _scorer_manifest(path: str, scorer: Any) -> dict:
+    return {
+        "path": path,
+        "kind": scorer.kind,
+        # ood_jax.scorers' Scorer has one; mining itself needs none (without a cache).
+        "identity": getattr(scorer, "identity", None),
+        "weights": manifest.weights_digest(path),
+    }
+
+
+def _output(path: pathlib.Path) -> dict:
+    return {"path": str(path), "sha256": manifest.file_sha256(path)}
 
 
 FOCI_EXAMPLE = (
@@ -64,22 +120,34 @@ def run_foci(args: argparse.Namespace, scorer_factory: ScorerFactory | None = No
 
     try:
         source = foci.read_source(args.dataset, args.source)
-        scorer = _load_scorer(scorer_factory, args.scorer)
-        contents, accuracy = foci.mine_source(
-            source,
-            scorer,
-            templates=args.templates,
-            batch_size=args.batch_size,
-            chunk_size=args.chunk_size,
-            progress=not args.quiet,
-            cache_dir=args.cache,
-        )
     except (ValueError, building.BuildError) as e:
         raise _fail(e) from None
-    except KeyboardInterrupt:
-        raise _interrupted(args, args.out or "the options file") from None
     out = pathlib.Path(args.out) if args.out else source.root / source.options_file
-    files.write_json_atomic(out, contents)
+    dataset = {
+        "name": args.dataset,
+        "source": str(source.root.resolve()),
+        "records": _records(zip(source.images, source.labels)),
+    }
+    record = _start_manifest("foci", args, devices=True, dataset=dataset)
+    with _recording(out, record):
+        try:
+            scorer = _load_scorer(scorer_factory, args.scorer)
+            record["scorers"] = [_scorer_manifest(args.scorer, scorer)]
+            contents, accuracy = foci.mine_source(
+                source,
+                scorer,
+                templates=args.templates,
+                batch_size=args.batch_size,
+                chunk_size=args.chunk_size,
+                progress=not args.quiet,
+                cache_dir=args.cache,
+            )
+        except (ValueError, building.BuildError) as e:
+            raise _fail(e) from None
+        except KeyboardInterrupt:
+            raise _interrupted(args, args.out or "the options file") from None
+        files.write_json_atomic(out, contents)
+        record.update(outputs=[_output(out)], accuracy=accuracy)
     print(
         f"{len(source.images)} images, {len(source.class_names)} classes -> {out}\n"
         f"zero-shot accuracy of this scorer: {accuracy['all_classes']:.4f} over all classes, "
@@ -103,21 +171,34 @@ def run_oodbench(args: argparse.Namespace, scorer_factory: ScorerFactory | None 
     max_per_split = args.max_per_split or None
     try:
         pairs = oodbench.read_pairs(args.source)
-        scores = {}
-        for name, path in zip(_scorer_names(args.scorer), args.scorer):
-            scorer = _load_scorer(scorer_factory, path)
-            print(f"scoring {len(pairs.image_ids)} pairs with {name} ({scorer.kind})")
-            cache = pathlib.Path(args.cache) / name if args.cache else None
-            scores[name] = oodbench.score_pairs(
-                pairs, scorer, args.templates, args.batch_size, not args.quiet, cache
-            )
-        records = oodbench.split_records(pairs, scores, args.threshold, max_per_split, args.seed)
     except (ValueError, building.BuildError) as e:
         raise _fail(e) from None
-    except KeyboardInterrupt:
-        raise _interrupted(args, args.out or "splits.jsonl") from None
     out = pathlib.Path(args.out) if args.out else pathlib.Path(args.source) / "splits.jsonl"
-    files.write_jsonl_atomic(out, records)
+    dataset = {
+        "source": str(pathlib.Path(args.source).resolve()),
+        "records": _records(zip(pairs.image_ids.tolist(), pairs.category_ids.tolist())),
+    }
+    record = _start_manifest("oodbench", args, devices=True, dataset=dataset, scorers=[])
+    with _recording(out, record):
+        try:
+            scores = {}
+            for name, path in zip(_scorer_names(args.scorer), args.scorer):
+                scorer = _load_scorer(scorer_factory, path)
+                record["scorers"].append({"name": name, **_scorer_manifest(path, scorer)})
+                print(f"scoring {len(pairs.image_ids)} pairs with {name} ({scorer.kind})")
+                cache = pathlib.Path(args.cache) / name if args.cache else None
+                scores[name] = oodbench.score_pairs(
+                    pairs, scorer, args.templates, args.batch_size, not args.quiet, cache
+                )
+            records = oodbench.split_records(
+                pairs, scores, args.threshold, max_per_split, args.seed
+            )
+        except (ValueError, building.BuildError) as e:
+            raise _fail(e) from None
+        except KeyboardInterrupt:
+            raise _interrupted(args, args.out or "splits.jsonl") from None
+        files.write_jsonl_atomic(out, records)
+        record["outputs"] = [_output(out)]
     labels = oodbench.assign_splits(scores, args.threshold)
     print(f"{len(labels)} pairs scored; threshold {args.threshold}")
     for split in oodbench.SPLITS:
@@ -132,38 +213,18 @@ def run_oodg(args: argparse.Namespace, scorer_factory: ScorerFactory | None = No
 
     try:
         builder = oodg.load_builder(args.dataset, args.data_dir)
-        test_records = oodg.read_records(builder, args.split, args.domains)
-        # Examples may come from any domain of their split, whatever the test domains are.
-        ice_split = args.ice_split or args.split
-        if args.ice == 0:
-            example_records = []
-        elif ice_split == args.split and args.domains is None:
-            example_records = test_records
-        else:
-            example_records = oodg.read_records(builder, ice_split)
-        make_units = oodg.UNIT_BUILDERS[args.task]
-        test_units = make_units(test_records)
-        if not test_units:
-            raise ValueError(f"{args.dataset} {args.split}: no {args.task} units")
-        label_names = builder.info.features["objects"]["label"].names
-        plan = oodg.build_items(
-            test_units,
-            make_units(example_records),
-            label_names,
-            oodg.concepts_of(label_names),
-            args.setting,
-            args.ice,
-            args.num_items,
-            args.seed,
-        )
-        if not plan.items:
-            raise ValueError(
-                f"no item could be built: all {plan.considered} test units lack {args.ice} "
-                f"eligible in-context examples for {args.setting}"
-            )
-        path = oodg.write(builder, plan, args.out)
     except ValueError as e:
         raise _fail(e) from None
+    record = _start_manifest("oodg", args, devices=False, dataset=manifest.tfds_dataset(builder))
+    with _recording(args.out, record, directory=True):
+        try:
+            test_records = oodg.read_records(builder, args.split, args.domains)
+            record["dataset"]["records"] = _records(r.key for r in test_records)
+            plan = _oodg_plan(args, oodg, builder, test_records)
+            path = oodg.write(builder, plan, args.out)
+        except ValueError as e:
+            raise _fail(e) from None
+        record.update(outputs=[_output(path)], items=len(plan.items), images=len(plan.units))
     print(
         f"{len(plan.items)} {args.task} items ({args.setting}, {args.ice} in-context examples), "
         f"{len(plan.units)} images -> {path}"
@@ -175,6 +236,39 @@ def run_oodg(args: argparse.Namespace, scorer_factory: ScorerFactory | None = No
             f"  {args.num_items} items asked for, {len(plan.items)} possible",
             file=sys.stderr,
         )
+
+
+def _oodg_plan(args: argparse.Namespace, oodg: Any, builder: Any, test_records: list) -> Any:
+    """The items of `mine oodg`: test units of `test_records`, their in-context examples."""
+    # Examples may come from any domain of their split, whatever the test domains are.
+    ice_split = args.ice_split or args.split
+    if args.ice == 0:
+        example_records = []
+    elif ice_split == args.split and args.domains is None:
+        example_records = test_records
+    else:
+        example_records = oodg.read_records(builder, ice_split)
+    make_units = oodg.UNIT_BUILDERS[args.task]
+    test_units = make_units(test_records)
+    if not test_units:
+        raise ValueError(f"{args.dataset} {args.split}: no {args.task} units")
+    label_names = builder.info.features["objects"]["label"].names
+    plan = oodg.build_items(
+        test_units,
+        make_units(example_records),
+        label_names,
+        oodg.concepts_of(label_names),
+        args.setting,
+        args.ice,
+        args.num_items,
+        args.seed,
+    )
+    if not plan.items:
+        raise ValueError(
+            f"no item could be built: all {plan.considered} test units lack {args.ice} "
+            f"eligible in-context examples for {args.setting}"
+        )
+    return plan
 
 
 def add_parsers(subparsers) -> None:

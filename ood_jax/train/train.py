@@ -13,12 +13,19 @@ A workdir keeps the config its checkpoints were trained with (config.json); `tra
 `evaluate` refuse another one by field (`config_checks.check_resume`). A damaged newest checkpoint
 is moved aside and the next older one used (`checkpoint.Checkpointer.restore_newest`). Ctrl-C
 in training saves the step it stopped at and says how to continue.
+
+Both write WORKDIR/manifest.json (ood_jax.manifest) when they start and when they end, however
+they end: the config's digest, the dataset build (name, config, version, splits, a digest of its
+metadata and file sizes), jax's devices, and at the end the checkpoint (step and a digest of its
+files, equal for `train` and a later `evaluate` of the same step), the evaluated splits (images
+and ground-truth digests, as `ood-jax compare-detectors` checks them) and the headline APs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import pathlib
@@ -38,7 +45,7 @@ from absl import logging
 from clu import metric_writers, periodic_actions
 from flax import linen as nn
 
-from ood_jax import datasets, files, sharding
+from ood_jax import datasets, files, manifest, sharding
 from ood_jax.data import counts, pipeline
 from ood_jax.detection import evaluation
 from ood_jax.metrics import coco
@@ -62,6 +69,8 @@ class NonFiniteLossError(RuntimeError):
 PRETRAINED_BACKBONE = "backbone_pretrained.msgpack"
 # The config the workdir's checkpoints were trained with.
 CONFIG_FILE = "config.json"
+# What a detector run's manifest reports beside manifest.BASE_PACKAGES.
+MANIFEST_PACKAGES = ("optax", "orbax-checkpoint", "tensorflow", "tensorflow-datasets")
 
 
 def load_builder(config: ml_collections.ConfigDict) -> tfds.core.DatasetBuilder:
@@ -427,10 +436,92 @@ def keep_on_interrupt(
     return f"checkpoint at step {latest} kept in {workdir}; rerun the same command to continue"
 
 
+# ---------------------------------------------------------------------------------------------
+# manifest.json
+# ---------------------------------------------------------------------------------------------
+
+
+def start_manifest(kind: str, config: ml_collections.ConfigDict, experiment: Experiment) -> dict:
+    """manifest.json of a `kind` ("train", "evaluate") run starting now."""
+    config_json = config.to_json_best_effort(sort_keys=True)
+    return manifest.collect(
+        kind,
+        devices=True,
+        packages=MANIFEST_PACKAGES,
+        config={
+            "model_name": config.model_name,
+            "model": config.model.name,
+            "sha256": hashlib.sha256(config_json.encode()).hexdigest(),
+        },
+        dataset={**manifest.tfds_dataset(experiment.builder), "splits": dict(experiment.splits)},
+    )
+
+
+def checkpoint_manifest(ckpt: checkpoint.Checkpointer, step: int) -> dict:
+    directory = ckpt.directory / str(step)
+    return {"step": step, "path": str(directory), "digest": manifest.tree_digest(directory)}
+
+
+def evaluation_manifest(results: Mapping[str, Any]) -> dict:
+    """The evaluated splits as `ood-jax compare-detectors` pairs them (the images and the
+    ground truth's digest) and the headline APs."""
+    splits = {
+        name: {
+            "images": len(m.image_ids),
+            "image_ids_sha256": hashlib.sha256(np.asarray(m.image_ids).tobytes()).hexdigest(),
+            "ground_truth": m.ground_truth,
+        }
+        for name, m in results.get("matches", {}).items()
+    }
+    aps = {"iid_AP": results["iid"]["AP"]}
+    if "ood_average" in results:
+        aps["ood_AP"] = results["ood_average"]["AP"]
+    return {"step": results["step"], **aps, "splits": splits}
+
+
+def end_manifest(
+    config: ml_collections.ConfigDict,
+    workdir: pathlib.Path,
+    ckpt: checkpoint.Checkpointer,
+    results: Mapping[str, Any],
+) -> dict:
+    """What a run adds to its manifest when it ends: the checkpoint evaluated, the evaluation,
+    and the backbone's starting weights where there are some."""
+    fields = {
+        "checkpoint": checkpoint_manifest(ckpt, results["step"]),
+        "evaluation": evaluation_manifest(results),
+    }
+    backbone = pretrained_backbone_path(config, workdir)
+    if backbone is not None and backbone.exists():
+        fields["backbone_weights"] = {
+            "path": str(backbone),
+            "digest": manifest.weights_digest(backbone),
+        }
+    return fields
+
+
+# ---------------------------------------------------------------------------------------------
+# train and evaluate
+# ---------------------------------------------------------------------------------------------
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+    """Trains to config.total_steps (resuming the workdir's newest checkpoint), evaluates, and
+    writes the results and manifest.json into the workdir."""
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     experiment = setup(config, workdir)
+    started = start_manifest("train", config, experiment)
+    with manifest.recording(workdir, started, enabled=_is_primary()) as record:
+        results = _train_and_evaluate(config, workdir, experiment)
+        if _is_primary():  # the others would only read the checkpoint's files again
+            record.update(end_manifest(config, workdir, experiment.checkpointer, results))
+    return results
+
+
+def _train_and_evaluate(
+    config: ml_collections.ConfigDict, workdir: pathlib.Path, experiment: Experiment
+) -> dict[str, Any]:
     ckpt = experiment.checkpointer
 
     # ----------------------------------------------------------------------------------------
@@ -575,8 +666,13 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         raise FileNotFoundError(
             f"no checkpoint in {ckpt.directory}: train first (`ood-jax train` on this --workdir)"
         )
-    results = evaluate_all(config, experiment, restored.state, ground_truths(config, experiment))
-    if _is_primary():
-        evaluation.write_results(workdir, results, config.model_name)
+    started = start_manifest("evaluate", config, experiment)
+    with manifest.recording(workdir, started, enabled=_is_primary()) as record:
+        results = evaluate_all(
+            config, experiment, restored.state, ground_truths(config, experiment)
+        )
+        if _is_primary():
+            evaluation.write_results(workdir, results, config.model_name)
+            record.update(end_manifest(config, workdir, ckpt, results))
     ckpt.close()
     return results

@@ -5,6 +5,9 @@ oodbench      OODBench yes/no questions, plain or chain-of-thought (tasks/oodben
 oodbench-bap  OODBench Basic-to-Advanced Progression questions (tasks/oodbench.py)
 counts-oodg   COUNTS OODG grounding, localization and mapping items (tasks/counts_oodg.py)
 
+`circular=N` (`--circular N`, foci and oodbench) asks every question under N orders of its
+options, each its own item, and adds the circular verdicts to the results (tasks/circular.py).
+
 `scoring_for(run)` is a task's scoring without its data, from the identity a run directory's
 run.json holds: what `ood-jax rescore` reads replies and computes results with. What every task
 shares (Item, the Scoring and Benchmark interfaces, reading built TFDS datasets, summaries and
@@ -39,9 +42,12 @@ from ood_jax.eval.tasks.oodbench import (
 )
 
 BENCHMARKS = ("foci", "counts-oodg", "oodbench", "oodbench-bap")
+# The tasks whose questions `--circular` asks under several orders of their options.
+CIRCULAR_BENCHMARKS = ("foci", "oodbench")
 
 __all__ = [
     "BENCHMARKS",
+    "CIRCULAR_BENCHMARKS",
     "JUDGE_MODE",
     "OODBENCH_SETTINGS",
     "OODG_SETTINGS",
@@ -74,11 +80,14 @@ def make_benchmark(
     setting: str | None = None,
     ice: int | None = None,
     task: str | None = None,
+    circular: int | None = None,
 ) -> Benchmark:
     """The benchmark `name` of BENCHMARKS over the user's data; bad combinations fail clearly.
     It reads replies under its default parse mode; `Scoring.reading` picks another."""
     if name not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {name!r}; expected one of {BENCHMARKS}")
+    if circular is not None and name not in CIRCULAR_BENCHMARKS:
+        raise ValueError(f"--circular applies to {' and '.join(CIRCULAR_BENCHMARKS)} only")
     if name == "counts-oodg":
         if items is None:
             raise ValueError("counts-oodg reads an items.jsonl: pass --items PATH")
@@ -92,9 +101,9 @@ def make_benchmark(
         if setting is not None:
             raise ValueError("foci has no settings (see --parse-mode)")
         configs = [c for c in config.split(",") if c] if config else None
-        return Foci(data_dir, configs)
+        return Foci(data_dir, configs, circular)
     if name == "oodbench":
-        return OodBench(data_dir, config or "default", setting or "plain")
+        return OodBench(data_dir, config or "default", setting or "plain", circular)
     if setting is not None:
         raise ValueError("oodbench-bap has no settings")
     return OodBenchBap(data_dir, config or "bap")
@@ -105,9 +114,9 @@ def scoring_for(run: dict) -> Scoring:
     mode. Raises ValueError for a benchmark this version does not know."""
     name = run.get("benchmark")
     if name == "foci":
-        return FociScoring()
+        return FociScoring(run.get("circular"))
     if name == "oodbench":
-        return OodBenchScoring(run.get("setting", "plain"))
+        return OodBenchScoring(run.get("setting", "plain"), run.get("circular"))
     if name == "oodbench-bap":
         return OodBenchBapScoring()
     if name == "counts-oodg":

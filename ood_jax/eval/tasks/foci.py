@@ -3,17 +3,24 @@ their mean as FOCI's Table 2. Replies are read under a parse mode (tasks/base.py
 FOCI's rule (the reply begins with the letter, Appendix A; the default, to reproduce its
 numbers), strict, last, or judge.
 
+With `circular=N` (`--circular N`, 2 to 4) every item is asked under N cyclic shifts of its
+options (tasks/circular.py); the Table 2 numbers then count every asked item, and
+"circular_eval" adds, per dataset and over all items, the accuracy in the original order and
+with every rotation right (MMBench's CircularEval), and how often each letter is picked.
+
 A task of ood_jax.eval.tasks (interface in tasks/base.py); prompts from ood_jax.prompts, replies
 read by ood_jax.eval.parsing.
 """
 
 from __future__ import annotations
 
+import string
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from ood_jax import prompts
+from ood_jax.eval.tasks import circular as circular_eval
 from ood_jax.eval.tasks.base import (
     CI_LABEL,
     INTERVALS_NOTE,
@@ -40,6 +47,16 @@ class FociScoring(Scoring):
     name = "foci"
     parse_modes = PARSE_MODES
     parse_mode = "foci"
+    # The rotations each item is asked under (tasks/circular.py); None: a plain run.
+    circular: int | None = None
+
+    def __init__(self, circular: int | None = None):
+        circular_eval.check_rotations(circular, prompts.FOCI_NUM_OPTIONS, self.name)
+        self.circular = circular
+
+    def identity(self) -> dict:
+        # Absent for a plain run, so that directories written before --circular still match.
+        return {"benchmark": self.name, **({"circular": self.circular} if self.circular else {})}
 
     def choice_options(self, meta: dict) -> list[str]:
         return meta["options"]
@@ -62,7 +79,25 @@ class FociScoring(Scoring):
             # Table 2's average column: the mean of the per-dataset accuracies. It has no
             # binomial interval: it is no proportion of items.
             out["average_accuracy"] = float(np.mean([v["accuracy"] for v in per_dataset.values()]))
+        if self.circular:
+            out["circular_eval"] = self.circular_results(records)
         return out
+
+    def circular_results(self, records: Sequence[dict]) -> dict:
+        """Per dataset and over all items: all_right (tasks/circular.py) over the items and the
+        share of read replies picking each letter."""
+
+        def summary(group: Sequence[dict]) -> dict:
+            return {
+                **circular_eval.all_right(group, self.circular, circular_eval.question_of),
+                "positions": circular_eval.pick_rates(group, LETTERS, _listed_at),
+            }
+
+        return {
+            "rotations": self.circular,
+            "per_dataset": {k: summary(v) for k, v in sorted(group_by(records, "dataset").items())},
+            "all_items": summary(records),
+        }
 
     def markdown(self, results: dict) -> str:
         per_dataset = results.get("per_dataset", {})
@@ -93,7 +128,52 @@ class FociScoring(Scoring):
             if "parse_mode" in results
             else ""
         )
-        return f"## FOCI\n\n{mode}{INTERVALS_NOTE}\n\n" + table(header, rows) + "\n"
+        out = f"## FOCI\n\n{mode}{INTERVALS_NOTE}\n\n" + table(header, rows) + "\n"
+        if "circular_eval" in results:
+            out += "\n" + circular_markdown(results["circular_eval"])
+        return out
+
+
+LETTERS = tuple(string.ascii_uppercase[: prompts.FOCI_NUM_OPTIONS])
+
+
+def _listed_at(record: dict, choice: int) -> int:
+    # A FOCI choice is the index of the option in the prompt's listing: its position.
+    return choice
+
+
+def _picks_row(name: str, positions: dict, which: str = "picked") -> list[str]:
+    return [name, *circular_eval.shares_cells(positions[which]), str(positions["read"])]
+
+
+def circular_markdown(summary: dict) -> str:
+    """The circular section of results.md: accuracies, then the letters picked."""
+    n, overall = summary["rotations"], summary["all_items"]
+    groups = {**summary["per_dataset"]}
+    if len(groups) > 1:
+        groups["all items"] = overall
+    rows = [[name, *circular_eval.rate_cells(s), str(s["groups"])] for name, s in groups.items()]
+    header = [
+        "dataset",
+        f"original order (%) [{CI_LABEL}]",
+        f"all {n} rotations right (%) [{CI_LABEL}]",
+        "items",
+    ]
+    picks = [_picks_row(f"picked, {name}", s["positions"]) for name, s in groups.items()]
+    picks.append(_picks_row("the answer, all items", overall["positions"], "answer"))
+    return (
+        f"### Circular evaluation ({n} rotations)\n\n"
+        f"Every item was asked under {n} cyclic shifts of its options (the table above counts "
+        "each as an item); here it counts as right only when every rotation is (MMBench's "
+        f"CircularEval). Brackets: exact {CI_LABEL}s over the items."
+        + circular_eval.incomplete_note(
+            overall["incomplete"], "items not asked under every rotation (cut by --limit)"
+        )
+        + "\n\n"
+        + table(header, rows)
+        + "\n\nLetters picked, in % of the replies read (every rotation), and where the "
+        "answer was listed:\n\n" + table(["", *LETTERS, "replies read"], picks) + "\n"
+    )
 
 
 class Foci(FociScoring, Benchmark):
@@ -102,24 +182,41 @@ class Foci(FociScoring, Benchmark):
     # FOCI generates at most 10 new tokens (its greedy decoding setup for letters).
     default_max_tokens = 10
 
-    def __init__(self, data_dir: str, configs: Sequence[str] | None = None):
+    def __init__(
+        self, data_dir: str, configs: Sequence[str] | None = None, circular: int | None = None
+    ):
+        super().__init__(circular)
         self.configs = list(configs) if configs else built_configs(data_dir, "foci")
         self.directories = {c: dataset_dir(data_dir, "foci", c) for c in self.configs}
 
     def count(self) -> int:
-        return sum(split_sizes(d, ["test"]) for d in self.directories.values())
+        questions = sum(split_sizes(d, ["test"]) for d in self.directories.values())
+        return questions * circular_eval.asked_per_question(self.circular)
 
     def items(self) -> Iterator[Item]:
         for config, directory in self.directories.items():
             for _, record in tfds_records(directory, ["test"]):
                 filename = text(record["image/filename"])
-                item_id = f"{config}/{filename}"
-                options = [text(o) for o in record["options"]]
-                question = prompts.foci_multiple_choice(text(record["dataset"]), options)
                 meta = {
                     "dataset": config,
-                    "options": options,
+                    "options": [text(o) for o in record["options"]],
                     "answer": int(record["answer"]),
                     "label": text(record["label"]),
                 }
-                yield Item(item_id, image_request(question, record["image"], item_id), meta)
+                yield from self.asked(
+                    f"{config}/{filename}", text(record["dataset"]), meta, record["image"]
+                )
+
+    def asked(self, item_id: str, dataset: str, meta: dict, image: bytes) -> Iterator[Item]:
+        """The items question `item_id` is asked as: itself, or each rotation of its options.
+        `dataset` picks the prompt's question line; `image` is the encoded image."""
+        for rotation in circular_eval.rotations(item_id, self.circular, len(meta["options"])):
+            options = rotation.apply(meta["options"])
+            rotated = {
+                **meta,
+                "options": options,
+                "answer": rotation.position(meta["answer"]),
+                **rotation.tags,
+            }
+            question = prompts.foci_multiple_choice(dataset, options)
+            yield Item(rotation.id, image_request(question, image, rotation.id), rotated)

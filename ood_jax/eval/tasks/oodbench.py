@@ -4,6 +4,18 @@ Yes/no questions: accuracy, precision, recall, F1 and MCC on ID, OOD-S and OOD-H
 main table), with the paper's questions (setting `plain`) or its chain-of-thought wording (`cot`,
 the verdict read from the end of the reply). BAP: E-Acc, C-Acc, L-Acc and the overall C/N.
 
+Circular evaluation (`circular=2`, `--circular 2`; tasks/circular.py) treats a yes/no question's
+two answers as its options: each question is asked again with them listed the other way round
+("(no or yes)", "No or Yes?"; ood_jax.prompts), the one other cyclic shift of two options. The
+swapped question, the one whose right answer is the other answer, is the question's negation
+("Does this image not contain a ...?"), and OODBench already asks it of every instance (its
+builder balances the labels so, Fig. 4): it is paired with the question, not asked again. An
+instance's four items (the question and its negation, each in both orders) all right is the
+circular verdict; a model that always says "yes" is right on half the items and on no instance.
+Beside the main table (every asked item counted) "circular_eval" reports per split the questions
+right in both orders, the instances right throughout, the share of "yes" among the replies
+against the share the answers have, and how often the first-listed answer is picked.
+
 Tasks of ood_jax.eval.tasks (interface in tasks/base.py); prompts from ood_jax.prompts, replies
 read by ood_jax.eval.parsing, metrics from ood_jax.metrics.classification.
 """
@@ -17,11 +29,13 @@ import numpy as np
 
 from ood_jax import prompts
 from ood_jax.eval import parsing
+from ood_jax.eval.tasks import circular as circular_eval
 from ood_jax.eval.tasks.base import (
     CI_LABEL,
     INTERVALS_NOTE,
     Benchmark,
     Item,
+    ItemsError,
     Scoring,
     answer_summary,
     dataset_dir,
@@ -40,6 +54,8 @@ from ood_jax.metrics import classification
 
 OODBENCH_SPLITS = {"id": "ID", "ood_s": "OOD-S", "ood_h": "OOD-H"}
 OODBENCH_SETTINGS = ("plain", "cot")
+# A yes/no question's options in the order the paper's prompts list them.
+YES_NO = ("yes", "no")
 
 
 def _category_text(name: str) -> str:
@@ -104,21 +120,127 @@ def bap_results(records: Sequence[dict]) -> dict:
     return {"splits": {s: splits[s] for s in OODBENCH_SPLITS if s in splits}}
 
 
+def _instance_of(record: dict) -> tuple:
+    # A question and its negation ask about the same category in the same image.
+    meta = record["meta"]
+    return meta["split"], meta["image_id"], meta["category"]
+
+
+def _listed_at(record: dict, verdict: bool) -> int:
+    order = circular_eval.rotate(YES_NO, record["meta"]["rotation"])
+    return order.index("yes" if verdict else "no")
+
+
+def _yes_rates(records: Sequence[dict]) -> dict:
+    """Over the replies read: the share saying yes, the share whose answer is yes, and the
+    difference (the yes-bias; positive: "yes" said more often than it is right)."""
+    read = [r for r in records if r["parsed"] is not None]
+
+    def share(values: Sequence[bool]) -> float:
+        return sum(values) / len(values) if values else float("nan")
+
+    said = share([bool(r["parsed"]) for r in read])
+    truth = share([bool(r["meta"]["answer"]) for r in read])
+    return {"yes_rate": said, "answer_yes_rate": truth, "yes_bias": said - truth}
+
+
+def circular_yes_no_results(records: Sequence[dict], rotations: int) -> dict:
+    """Per split: `questions` (right in both answer orders), `instances` (the question and its
+    negation right in every order; tasks/circular.py all_right each), the yes-rates and the
+    share picking the first- and second-listed answer."""
+    splits = {}
+    for split, group in group_by(records, "split").items():
+        splits[split] = {
+            "questions": circular_eval.all_right(group, rotations, circular_eval.question_of),
+            "instances": circular_eval.all_right(group, 2 * rotations, _instance_of),
+            **_yes_rates(group),
+            "positions": circular_eval.pick_rates(group, ("first", "second"), _listed_at),
+        }
+    return {
+        "rotations": rotations,
+        "splits": {s: splits[s] for s in OODBENCH_SPLITS if s in splits},
+    }
+
+
+def circular_yes_no_markdown(summary: dict) -> str:
+    """The circular section of results.md: the consistency table, then the biases."""
+    splits = summary["splits"].items()
+    rows = [
+        [
+            OODBENCH_SPLITS[s],
+            *circular_eval.rate_cells(r["questions"]),
+            *circular_eval.rate_cells(r["instances"]),
+            str(r["questions"]["groups"]),
+            str(r["instances"]["groups"]),
+        ]
+        for s, r in splits
+    ]
+    header = [
+        "split",
+        "question, original order",
+        "question, both orders",
+        "with its negation, original order",
+        "with its negation, both orders",
+        "questions",
+        "instances",
+    ]
+    biases = [
+        [
+            OODBENCH_SPLITS[s],
+            pct(r["yes_rate"]),
+            pct(r["answer_yes_rate"]),
+            _points(r["yes_bias"]),
+            *circular_eval.shares_cells(r["positions"]["picked"]),
+            str(r["positions"]["read"]),
+        ]
+        for s, r in splits
+    ]
+    bias_header = ["split", "said yes", "answer is yes", "yes-bias (points)"]
+    bias_header += ["picked the first-listed", "picked the second-listed", "replies read"]
+    incomplete = sum(r["instances"]["incomplete"] for _, r in summary["splits"].items())
+    left_out = (
+        "instances without their four items (cut by --limit, or the data lacks a question's "
+        "negation)"
+    )
+    return (
+        "### Circular evaluation (both answer orders, and the negated question)\n\n"
+        'Every question was asked with its answers listed "yes" first (the original order) and '
+        '"no" first (the table above counts each as an item), and is paired with its negation, '
+        "the swapped question whose right answer is the other one. In % of the questions or "
+        f"instances (an image and a category) right throughout; brackets: exact {CI_LABEL}s."
+        + circular_eval.incomplete_note(incomplete, left_out)
+        + "\n\n"
+        + table(header, rows)
+        + "\n\nBiases, in % of the replies read (both orders):\n\n"
+        + table(bias_header, biases)
+        + "\n"
+    )
+
+
+def _points(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:+.2f}"
+
+
 class OodBenchScoring(Scoring):
     """OODBench's reading of yes/no replies (the leading word, or with `setting="cot"` the
     verdict at the end) and its main table, from prediction records alone."""
 
     name = "oodbench"
+    # The answer orders each question is asked in (tasks/circular.py); None: a plain run.
+    circular: int | None = None
 
-    def __init__(self, setting: str = "plain"):
+    def __init__(self, setting: str = "plain", circular: int | None = None):
         if setting not in OODBENCH_SETTINGS:
             raise ValueError(
                 f"OODBench setting must be one of {OODBENCH_SETTINGS}, got {setting!r}"
             )
-        self.setting = setting
+        circular_eval.check_rotations(circular, len(YES_NO), self.name)
+        self.setting, self.circular = setting, circular
 
     def identity(self) -> dict:
-        return {"benchmark": self.name, "setting": self.setting}
+        # "circular" is absent for a plain run, so directories written before it still match.
+        circular = {"circular": self.circular} if self.circular else {}
+        return {"benchmark": self.name, "setting": self.setting, **circular}
 
     def score(self, meta: dict, reply: str) -> tuple[bool | None, bool]:
         read = parsing.parse_final_yes_no if self.setting == "cot" else parsing.parse_yes_no
@@ -126,7 +248,10 @@ class OodBenchScoring(Scoring):
         return parsed, parsed is not None and parsed == meta["answer"]
 
     def results(self, records: Sequence[dict]) -> dict:
-        return {"setting": self.setting, **yes_no_results(records)}
+        out = {"setting": self.setting, **yes_no_results(records)}
+        if self.circular:
+            out["circular_eval"] = circular_yes_no_results(records, self.circular)
+        return out
 
     def markdown(self, results: dict) -> str:
         rows = [
@@ -143,7 +268,10 @@ class OodBenchScoring(Scoring):
         header = ["split", f"Acc [{CI_LABEL}]", "Precision", "Recall", "F1", "MCC", "questions"]
         header.append("unanswered")
         title = "## OODBench" + (" (CoT)" if results["setting"] == "cot" else "")
-        return f"{title}\n\nAll numbers in %. {INTERVALS_NOTE}\n\n" + table(header, rows) + "\n"
+        out = f"{title}\n\nAll numbers in %. {INTERVALS_NOTE}\n\n" + table(header, rows) + "\n"
+        if "circular_eval" in results:
+            out += "\n" + circular_yes_no_markdown(results["circular_eval"])
+        return out
 
 
 class OodBench(OodBenchScoring, Benchmark):
@@ -151,15 +279,22 @@ class OodBench(OodBenchScoring, Benchmark):
 
     default_max_tokens = 16
 
-    def __init__(self, data_dir: str, config: str = "default", setting: str = "plain"):
-        super().__init__(setting)
+    def __init__(
+        self,
+        data_dir: str,
+        config: str = "default",
+        setting: str = "plain",
+        circular: int | None = None,
+    ):
+        super().__init__(setting, circular)
         self.directory = dataset_dir(data_dir, "oodbench", config)
         if setting == "cot":
             # Step-by-step answers need room before the verdict.
             self.default_max_tokens = 512
 
     def count(self) -> int:
-        return split_sizes(self.directory, list(OODBENCH_SPLITS))
+        questions = split_sizes(self.directory, list(OODBENCH_SPLITS))
+        return questions * circular_eval.asked_per_question(self.circular)
 
     def items(self) -> Iterator[Item]:
         for split, record in tfds_records(self.directory, list(OODBENCH_SPLITS)):
@@ -181,7 +316,19 @@ class OodBench(OodBenchScoring, Benchmark):
                 "kind": kind,
                 "image_id": image_id,
             }
-            yield Item(item_id, image_request(question, record["image"], item_id), meta)
+            yield from self.asked(item_id, question, meta, record["image"])
+
+    def asked(self, item_id: str, question: str, meta: dict, image: bytes) -> Iterator[Item]:
+        """The items question `item_id` is asked as: itself, or in each order of its answers."""
+        for rotation in circular_eval.rotations(item_id, self.circular, len(YES_NO)):
+            prompt = question
+            if rotation.shift:
+                try:
+                    prompt = prompts.oodbench_answers_swapped(question)
+                except ValueError as e:
+                    raise ItemsError(f"{self.directory}: item {item_id!r}: {e}") from None
+            tagged = {**meta, **rotation.tags}
+            yield Item(rotation.id, image_request(prompt, image, rotation.id), tagged)
 
 
 class OodBenchBapScoring(Scoring):
