@@ -421,7 +421,8 @@ def test_an_item_with_another_answer_key_is_refused(tmp_path):
         (lambda d: (d / "run.json").unlink(), r"a/run\.json: not found"),
         (lambda d: (d / "predictions.jsonl").unlink(), r"a: no predictions\.jsonl"),
         (lambda d: (d / "run.json").write_text("{"), r"a/run\.json: malformed JSON"),
-        (lambda d: (d / "run.json").write_text("[]"), r"a/run\.json: expected a JSON object"),
+        (lambda d: (d / "run.json").write_text("[]"), r"a/run\.json: not a JSON object"),
+        (lambda d: (d / "run.json").write_text("{}"), r"a/run\.json: expected a JSON object"),
         (lambda d: (d / "predictions.jsonl").write_text(""), r"predictions\.jsonl: no predictions"),
         (
             lambda d: (d / "predictions.jsonl").write_text('{"id": "x"}\n'),

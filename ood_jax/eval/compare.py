@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import json
 import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -82,14 +81,12 @@ class Run:
 RECORD_FIELDS = ("parsed", "correct", "error", "meta")
 
 
-def _read_identity(path: pathlib.Path) -> dict:
-    try:
-        identity = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{path}: not found (eval-mllm writes it when a run starts)") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: malformed JSON ({e.msg})") from None
-    if not isinstance(identity, dict) or not isinstance(identity.get("benchmark"), str):
+def _read_identity(directory: pathlib.Path) -> dict:
+    path = directory / runner.RUN_FILE
+    identity = runner.read_run_file(directory)
+    if identity is None:
+        raise ValueError(f"{path}: not found (eval-mllm writes it when a run starts)")
+    if not isinstance(identity.get("benchmark"), str):
         raise ValueError(f"{path}: expected a JSON object with a 'benchmark' name")
     return identity
 
@@ -110,7 +107,7 @@ def load_run(directory: str | pathlib.Path) -> Run:
     path = directory / runner.PREDICTIONS_FILE
     if not path.is_file():
         raise ValueError(f"{directory}: no {runner.PREDICTIONS_FILE} (not an eval-mllm run)")
-    identity = _read_identity(directory / runner.RUN_FILE)
+    identity = _read_identity(directory)
     # Read as a resumed run reads it (latest record per id, a torn last line ignored), but
     # never repaired: comparing must not change a run directory.
     store = runner.PredictionStore(path, repair=False)
