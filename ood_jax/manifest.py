@@ -308,7 +308,7 @@ def files_digest(root: str | os.PathLike, paths: Iterable[str | os.PathLike]) ->
 
 def tree_digest(directory: str | os.PathLike) -> dict:
     """`files_digest` of every file under `directory` (a checkpoint step, a model directory)."""
-    directory = pathlib.Path(directory)
+    directory = pathlib.Path(directory).absolute()
     return files_digest(directory, (p for p in directory.rglob("*") if p.is_file()))
 
 
@@ -320,7 +320,8 @@ def weights_digest(path: str | os.PathLike) -> dict | None:
     """`files_digest` of a model's weights: the file `path`, or the weight files
     (WEIGHT_SUFFIXES, and their *.index.json) in the directory `path`; None where `path` is
     neither. Reads every byte of them: about a second per GB, once per run."""
-    path = pathlib.Path(path)
+    # Absolute, so the files listed below are not taken as relative to `path` a second time.
+    path = pathlib.Path(path).absolute()
     if path.is_file():
         return files_digest(path.parent, [path])
     if not path.is_dir():

@@ -477,3 +477,14 @@ def test_training_and_evaluation_manifests(tmp_path):
     assert evaluated["evaluation"]["splits"] == trained["evaluation"]["splits"]
     [head] = evaluated["previous"]
     assert head["kind"] == "train" and head["checkpoint"] == trained["checkpoint"]
+
+
+def test_weights_digest_of_a_relative_path(tmp_path, monkeypatch):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "model" / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    relative = manifest.weights_digest("model")
+    assert relative == manifest.weights_digest(tmp_path / "model")
+    assert relative["files"] == 1 and relative["bytes"] == len(b"weights")
+    assert manifest.tree_digest("model") == manifest.tree_digest(tmp_path / "model")
