@@ -31,9 +31,13 @@ def _from_hf(path: str):
 
 
 def _load_scorer(factory: ScorerFactory | None, path: str):
+    from ood_jax import scorers
+
     scorer = (factory or _from_hf)(path)
-    if scorer.kind not in ("clip", "siglip"):
-        raise ValueError(f"{path}: scorer kind {scorer.kind!r}; expected 'clip' or 'siglip'")
+    if scorer.kind not in scorers.KINDS:
+        raise ValueError(
+            f"{path}: scorer kind {scorer.kind!r}; expected one of {', '.join(scorers.KINDS)}"
+        )
     return scorer
 
 

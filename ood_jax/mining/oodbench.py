@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ood_jax import mining
+from ood_jax import mining, scorers
 from ood_jax.data import oodbench as oodbench_source
 from ood_jax.data.oodbench import category_text
 
@@ -224,7 +224,7 @@ def score_pairs(
     column = {category_id: k for k, category_id in enumerate(category_ids)}
     pair_images = image_features[[row[i] for i in pairs.image_ids.tolist()]]
     pair_categories = np.array([column[c] for c in pairs.category_ids.tolist()], np.int32)
-    if scorer.kind == "clip":
+    if scorer.kind in scorers.SOFTMAX_KINDS:
         return clip_probability(pair_images, text_features, pair_categories, scorer.logit_scale)
     if scorer.kind == "siglip":
         if scorer.logit_bias is None:

@@ -114,7 +114,7 @@ def read_config(path: str | Path) -> dict[str, Any]:
     return config
 
 
-def _section(config: Mapping[str, Any], name: str, defaults: Mapping[str, Any]) -> dict[str, Any]:
+def sub_config(config: Mapping[str, Any], name: str, defaults: Mapping[str, Any]) -> dict[str, Any]:
     """A sub-config with transformers' defaults filled in (CLIP's legacy `*_config_dict` wins)."""
     section = config.get(f"{name}_dict") or config.get(name) or {}
     if not isinstance(section, dict):
@@ -122,7 +122,7 @@ def _section(config: Mapping[str, Any], name: str, defaults: Mapping[str, Any]) 
     return {**defaults, **section}
 
 
-def _activation(section: Mapping[str, Any], name: str) -> str:
+def hf_activation(section: Mapping[str, Any], name: str) -> str:
     act = section["hidden_act"]
     if act not in HIDDEN_ACTS:
         raise ValueError(
@@ -132,7 +132,7 @@ def _activation(section: Mapping[str, Any], name: str) -> str:
     return HIDDEN_ACTS[act]
 
 
-def _heads(section: Mapping[str, Any], name: str) -> int:
+def hf_heads(section: Mapping[str, Any], name: str) -> int:
     width, heads = section["hidden_size"], section["num_attention_heads"]
     if width % heads:
         raise ValueError(
@@ -142,7 +142,7 @@ def _heads(section: Mapping[str, Any], name: str) -> int:
     return heads
 
 
-def _grid(section: Mapping[str, Any], name: str) -> tuple[int, int]:
+def hf_grid(section: Mapping[str, Any], name: str) -> tuple[int, int]:
     size, patch = section["image_size"], section["patch_size"]
     size = (size, size) if isinstance(size, int) else tuple(size)
     patch = (patch, patch) if isinstance(patch, int) else tuple(patch)
@@ -158,14 +158,14 @@ def _image_encoder(section: Mapping[str, Any], dtype: Any, **flavour: Any) -> vi
     return vit.ViT(
         width=section["hidden_size"],
         depth=section["num_hidden_layers"],
-        num_heads=_heads(section, "vision_config"),
+        num_heads=hf_heads(section, "vision_config"),
         mlp_dim=section["intermediate_size"],
         patch_size=section["patch_size"]
         if isinstance(section["patch_size"], int)
         else section["patch_size"][0],
-        pos_grid=_grid(section, "vision_config"),
+        pos_grid=hf_grid(section, "vision_config"),
         ln_eps=section["layer_norm_eps"],
-        activation=_activation(section, "vision_config"),
+        activation=hf_activation(section, "vision_config"),
         dtype=dtype,
         **flavour,
     )
@@ -177,10 +177,10 @@ def _text_tower(section: Mapping[str, Any], dtype: Any, **flavour: Any) -> tower
         max_len=section["max_position_embeddings"],
         width=section["hidden_size"],
         depth=section["num_hidden_layers"],
-        num_heads=_heads(section, "text_config"),
+        num_heads=hf_heads(section, "text_config"),
         mlp_dim=section["intermediate_size"],
         ln_eps=section["layer_norm_eps"],
-        activation=_activation(section, "text_config"),
+        activation=hf_activation(section, "text_config"),
         dtype=dtype,
         **flavour,
     )
@@ -188,8 +188,8 @@ def _text_tower(section: Mapping[str, Any], dtype: Any, **flavour: Any) -> tower
 
 def clip_module(config: Mapping[str, Any], dtype: Any = jnp.float32) -> clip.CLIP:
     """The `CLIP` module of a transformers `CLIPConfig` dict."""
-    text = _section(config, "text_config", CLIP_TEXT_DEFAULTS)
-    vision = _section(config, "vision_config", CLIP_VISION_DEFAULTS)
+    text = sub_config(config, "text_config", CLIP_TEXT_DEFAULTS)
+    vision = sub_config(config, "vision_config", CLIP_VISION_DEFAULTS)
     proj_dim = config.get("projection_dim", 512)
     eos = text["eos_token_id"]
     if not isinstance(eos, int):
@@ -217,8 +217,8 @@ def clip_module(config: Mapping[str, Any], dtype: Any = jnp.float32) -> clip.CLI
 
 def siglip_module(config: Mapping[str, Any], dtype: Any = jnp.float32) -> siglip.SigLIP:
     """The `SigLIP` module of a transformers `SiglipConfig` dict."""
-    text = _section(config, "text_config", SIGLIP_TEXT_DEFAULTS)
-    vision = _section(config, "vision_config", SIGLIP_VISION_DEFAULTS)
+    text = sub_config(config, "text_config", SIGLIP_TEXT_DEFAULTS)
+    vision = sub_config(config, "vision_config", SIGLIP_VISION_DEFAULTS)
     if not vision["vision_use_head"]:
         raise ValueError(
             f"{CONFIG_FILE}: vision_config.vision_use_head=false: the image tower would have no "
@@ -266,11 +266,11 @@ def _linear(a: np.ndarray) -> np.ndarray:
     return a.T
 
 
-def _conv(a: np.ndarray) -> np.ndarray:
+def conv_kernel(a: np.ndarray) -> np.ndarray:
     return a.transpose(2, 3, 1, 0)
 
 
-class _Mapping:
+class TensorMapping:
     """Collects target param path -> (source key, array) for the source keys present."""
 
     def __init__(self, sd: Mapping[str, np.ndarray]):
@@ -339,13 +339,13 @@ class _Mapping:
         self.dense(f"{target}/mlp/fc2", f"{key}.mlp.c_proj")
 
 
-def _scalar(a: np.ndarray) -> np.ndarray:
+def scalar(a: np.ndarray) -> np.ndarray:
     if a.size != 1:
         raise ValueError(f"expected a scalar, got shape {a.shape}")
     return a.reshape(())
 
 
-def _example_inputs(module: clip.CLIP) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+def example_inputs(module: clip.CLIP) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
     encoder = module.image.encoder
     gh, gw = encoder.pos_grid
     p = encoder.patch_size
@@ -354,9 +354,9 @@ def _example_inputs(module: clip.CLIP) -> tuple[jax.ShapeDtypeStruct, jax.ShapeD
     return images, ids
 
 
-def _assemble(module: clip.CLIP, mapped: _Mapping, source: str) -> dict[str, Any]:
+def assemble(module: clip.CLIP, mapped: TensorMapping, source: str) -> dict[str, Any]:
     """{"params": ...} from the mapped tensors, or a ValueError listing every mismatch."""
-    shapes = jax.eval_shape(module.init, jax.random.key(0), *_example_inputs(module))["params"]
+    shapes = jax.eval_shape(module.init, jax.random.key(0), *example_inputs(module))["params"]
     targets = flax.traverse_util.flatten_dict(shapes, sep="/")
     used = {key for key, _ in mapped.out.values()}
     problems = [
@@ -379,7 +379,7 @@ def _assemble(module: clip.CLIP, mapped: _Mapping, source: str) -> dict[str, Any
     return {"params": flax.traverse_util.unflatten_dict(params, sep="/")}
 
 
-def _hf_text(m: _Mapping, module: clip.CLIP) -> None:
+def hf_text(m: TensorMapping, module: clip.CLIP) -> None:
     src, heads = "text_model", module.text.num_heads
     m.put("text/token_embedding/embedding", f"{src}.embeddings.token_embedding.weight")
     m.put("text/pos_embedding", f"{src}.embeddings.position_embedding.weight")
@@ -388,7 +388,7 @@ def _hf_text(m: _Mapping, module: clip.CLIP) -> None:
     m.layernorm("text/norm", f"{src}.final_layer_norm")
 
 
-def _hf_vision_blocks(m: _Mapping, module: clip.CLIP) -> None:
+def _hf_vision_blocks(m: TensorMapping, module: clip.CLIP) -> None:
     encoder = module.image.encoder
     src = "vision_model"
     m.put(
@@ -396,7 +396,7 @@ def _hf_vision_blocks(m: _Mapping, module: clip.CLIP) -> None:
         f"{src}.embeddings.position_embedding.weight",
         lambda a: a[None],
     )
-    m.put("image/encoder/embedding/kernel", f"{src}.embeddings.patch_embedding.weight", _conv)
+    m.put("image/encoder/embedding/kernel", f"{src}.embeddings.patch_embedding.weight", conv_kernel)
     m.put("image/encoder/embedding/bias", f"{src}.embeddings.patch_embedding.bias")
     for i in range(encoder.depth):
         m.hf_block(f"image/encoder/block_{i}", f"{src}.encoder.layers.{i}", encoder.num_heads)
@@ -405,20 +405,20 @@ def _hf_vision_blocks(m: _Mapping, module: clip.CLIP) -> None:
 
 def clip_params_from_hf(state_dict: Mapping[str, np.ndarray], module: clip.CLIP) -> dict:
     """Variables for `module` from a transformers `CLIPModel` state dict."""
-    m = _Mapping(state_dict)
+    m = TensorMapping(state_dict)
     _hf_vision_blocks(m, module)
     m.put("image/encoder/cls", "vision_model.embeddings.class_embedding", lambda a: a[None, None])
     m.layernorm("image/encoder/norm_pre", "vision_model.pre_layrnorm")
     m.put("image/proj/kernel", "visual_projection.weight", _linear)
-    _hf_text(m, module)
+    hf_text(m, module)
     m.put("text/proj/kernel", "text_projection.weight", _linear)
-    m.put("t", "logit_scale", _scalar)
-    return _assemble(module, m, "transformers CLIPModel")
+    m.put("t", "logit_scale", scalar)
+    return assemble(module, m, "transformers CLIPModel")
 
 
 def siglip_params_from_hf(state_dict: Mapping[str, np.ndarray], module: siglip.SigLIP) -> dict:
     """Variables for `module` from a transformers `SiglipModel` state dict."""
-    m = _Mapping(state_dict)
+    m = TensorMapping(state_dict)
     _hf_vision_blocks(m, module)
     head, heads = "vision_model.head", module.image.encoder.num_heads
     m.put("image/encoder/map_head/probe", f"{head}.probe")
@@ -427,11 +427,11 @@ def siglip_params_from_hf(state_dict: Mapping[str, np.ndarray], module: siglip.S
     m.layernorm("image/encoder/map_head/norm", f"{head}.layernorm")
     m.dense("image/encoder/map_head/mlp/fc1", f"{head}.mlp.fc1")
     m.dense("image/encoder/map_head/mlp/fc2", f"{head}.mlp.fc2")
-    _hf_text(m, module)
+    hf_text(m, module)
     m.dense("text/proj", "text_model.head")
-    m.put("t", "logit_scale", _scalar)
-    m.put("b", "logit_bias", _scalar)
-    return _assemble(module, m, "transformers SiglipModel")
+    m.put("t", "logit_scale", scalar)
+    m.put("b", "logit_bias", scalar)
+    return assemble(module, m, "transformers SiglipModel")
 
 
 def read_weights(path: str | Path) -> dict[str, np.ndarray]:
@@ -546,8 +546,8 @@ def clip_from_open_clip(
         ),
     )
 
-    m = _Mapping(sd)
-    m.put("image/encoder/embedding/kernel", "visual.conv1.weight", _conv)
+    m = TensorMapping(sd)
+    m.put("image/encoder/embedding/kernel", "visual.conv1.weight", conv_kernel)
     m.put("image/encoder/cls", "visual.class_embedding", lambda a: a[None, None])
     m.put("image/encoder/pos_embedding", "visual.positional_embedding", lambda a: a[None])
     m.layernorm("image/encoder/norm_pre", "visual.ln_pre")
@@ -563,5 +563,5 @@ def clip_from_open_clip(
         m.open_clip_block(f"text/block_{i}", f"transformer.resblocks.{i}", module.text.num_heads)
     m.layernorm("text/norm", "ln_final")
     m.put("text/proj/kernel", "text_projection")
-    m.put("t", "logit_scale", _scalar)
-    return module, _assemble(module, m, "open_clip CLIP")
+    m.put("t", "logit_scale", scalar)
+    return module, assemble(module, m, "open_clip CLIP")

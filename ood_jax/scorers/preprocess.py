@@ -39,7 +39,8 @@ RESAMPLE_CODES = {int(r) for r in Image.Resampling}
 
 def _defaults(kind: str, image_size: int) -> dict[str, Any]:
     """`CLIPImageProcessor` / `SiglipImageProcessor` class defaults at the model's image size."""
-    if kind == "clip":
+    # GroupViT's checkpoints ship CLIP's processor, with their own statistics in the file.
+    if kind in ("clip", "groupvit"):
         return {
             "do_resize": True,
             "size": {"shortest_edge": image_size},

@@ -39,7 +39,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ood_jax.models import convert as model_convert
-from ood_jax.scorers import clip, convert, preprocess
+from ood_jax.scorers import clip, convert, convert_groupvit, preprocess
 from ood_jax import sharding
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -49,11 +49,18 @@ def _sha256(file: Path) -> str | None:
     return hashlib.sha256(file.read_bytes()).hexdigest() if file.is_file() else None
 
 
+# Scorer kinds whose image-text probability is a softmax over the texts and whose text tower
+# (CLIP's) takes the tokenizer's padding mask; SigLIP's is a sigmoid of each pair's logit.
+SOFTMAX_KINDS = ("clip", convert_groupvit.KIND)
+KINDS = (*convert.KINDS.values(), convert_groupvit.KIND)
+
+
 class Scorer:
-    """A CLIP or SigLIP model ready to embed images and texts; build it with `from_hf`.
+    """A CLIP, SigLIP or GroupViT model ready to embed images and texts; build it with
+    `from_hf`.
 
     Attributes:
-      kind: "clip" or "siglip".
+      kind: "clip", "siglip" or "groupvit".
       module, variables: the Flax two-tower model and its float32 parameters.
       preprocessing: the image processor (`preprocess.ImagePreprocessing`).
       logit_scale: exp of the learned log scale, a float (as transformers applies it).
@@ -77,8 +84,8 @@ class Scorer:
         batch_size: int = 32,
         num_workers: int | None = None,
     ):
-        if kind not in convert.KINDS.values():
-            raise ValueError(f"unknown scorer kind {kind!r}")
+        if kind not in KINDS:
+            raise ValueError(f"unknown scorer kind {kind!r}; scorers are {', '.join(KINDS)}")
         self.kind = kind
         self.module = module
         self.preprocessing = preprocessing
@@ -204,7 +211,7 @@ class Scorer:
             return_tensors="np",
         )
         out = {"input_ids": np.asarray(encoded["input_ids"], np.int32)}
-        if self.kind == "clip" and "attention_mask" in encoded:
+        if self.kind in SOFTMAX_KINDS and "attention_mask" in encoded:
             out["attention_mask"] = np.asarray(encoded["attention_mask"], np.int32)
         return out
 
@@ -345,14 +352,19 @@ def from_hf(
     batch_size: int = 32,
     num_workers: int | None = None,
 ) -> Scorer:
-    """A `Scorer` from a transformers CLIPModel / SiglipModel directory on disk.
+    """A `Scorer` from a transformers CLIPModel / SiglipModel / GroupViTModel directory on disk.
 
     The directory needs config.json and the weights (model.safetensors, its sharded index, or
     pytorch_model.bin); preprocessor_config.json and the tokenizer files are optional (without
     them the processor class's defaults apply and `encode_texts` raises, naming the files).
     """
     path = Path(path)
-    kind, module, variables, _ = convert.load_hf(path, dtype)
+    load = (
+        convert_groupvit.groupvit_from_hf
+        if convert.read_config(path).get("model_type") == convert_groupvit.MODEL_TYPE
+        else convert.load_hf
+    )
+    kind, module, variables, _ = load(path, dtype)
     size = module.image.encoder.pos_grid[0] * module.image.encoder.patch_size
     return Scorer(
         kind,
