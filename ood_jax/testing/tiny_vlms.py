@@ -237,3 +237,21 @@ def build_qwen2_vl(path: str | pathlib.Path, seed: int = 0) -> pathlib.Path:
     return _sharpen_and_save(
         model, processor, pathlib.Path(path), ids("<|im_end|>"), ids("<|endoftext|>")
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m ood_jax.testing.tiny_vlms DIR`: both models, as DIR/tiny_llava and
+    DIR/tiny_qwen2_vl, for trying `eval-mllm --local` (or `transformers serve`) offline."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m ood_jax.testing.tiny_vlms", description=main.__doc__
+    )
+    parser.add_argument("out", help="directory to write the two model directories into")
+    out = pathlib.Path(parser.parse_args(argv).out)
+    for name, build in (("tiny_llava", build_llava), ("tiny_qwen2_vl", build_qwen2_vl)):
+        print(f"{build(out / name)}: random weights, {name[5:]} chat template")
+
+
+if __name__ == "__main__":
+    main()
