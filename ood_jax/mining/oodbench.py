@@ -258,3 +258,119 @@ def split_records(
                 }
             )
     return records
+
+
+# ---------------------------------------------------------------------------------------------
+# Ablations: re-divisions by other scorer sets, and how much the divisions agree
+# ---------------------------------------------------------------------------------------------
+
+# Compared beyond the three labels: "OOD" is OOD-S and OOD-H together, every pair some scorer put
+# below T, the set the paper keeps whole when it re-divides.
+OOD_SETS = {"OOD-S": ("OOD-S",), "OOD-H": ("OOD-H",), "OOD": ("OOD-S", "OOD-H")}
+
+
+def ablation_divisions(
+    scorer_names: Sequence[str],
+    groups: Mapping[str, Sequence[str]],
+    series: Sequence[str] = (),
+) -> dict[str, tuple[str, ...]]:
+    """Division name -> its scorers: "group-NAME" per group, "series-K" for the first K of
+    `series` (K = 1 .. len(series)), the paper's one-to-four scorer ablation in its fixed order."""
+    known = set(scorer_names)
+    if not groups and not series:
+        raise ValueError("give at least one --group or a --series")
+    divisions = {}
+    for name, members in groups.items():
+        divisions[f"group-{name}"] = _members(f"--group {name}", members, known)
+    ordered = _members("--series", series, known) if series else ()
+    for k in range(1, len(ordered) + 1):
+        divisions[f"series-{k}"] = ordered[:k]
+    unused = known.difference(*divisions.values())
+    if unused:
+        raise ValueError(f"--scorer {', '.join(sorted(unused))}: in no --group or --series")
+    return divisions
+
+
+def _members(flag: str, members: Sequence[str], known: set[str]) -> tuple[str, ...]:
+    members = tuple(members)
+    if not members:
+        raise ValueError(f"{flag}: no scorers")
+    if len(set(members)) != len(members):
+        raise ValueError(f"{flag}: a scorer is repeated in {','.join(members)}")
+    missing = [m for m in members if m not in known]
+    if missing:
+        raise ValueError(f"{flag}: {', '.join(missing)} is not a --scorer NAME")
+    return members
+
+
+def divide(
+    scores: Mapping[str, np.ndarray],
+    divisions: Mapping[str, Sequence[str]],
+    threshold: float = THRESHOLD,
+) -> dict[str, np.ndarray]:
+    """Division name -> `assign_splits` labels [P] under that division's scorers only."""
+    return {
+        name: assign_splits({m: scores[m] for m in members}, threshold)
+        for name, members in divisions.items()
+    }
+
+
+def _jaccard(a: np.ndarray, b: np.ndarray) -> float | None:
+    union = int((a | b).sum())
+    # Two empty sets agree trivially; None keeps that apart from a measured 1.0.
+    return int((a & b).sum()) / union if union else None
+
+
+def consistency(labels: Mapping[str, np.ndarray]) -> dict:
+    """How far divisions of the same pairs agree: per division the size of each split, and per
+    two divisions the fraction of pairs given the same label and, per set of OOD_SETS, the pairs
+    in both, in either, and their Jaccard overlap (both / either)."""
+    names = list(labels)
+    lengths = {n: len(labels[n]) for n in names}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"divisions differ in length: {lengths}")
+    members = {n: {s: np.isin(labels[n], splits) for s, splits in OOD_SETS.items()} for n in names}
+    sizes = {
+        n: {s: int((labels[n] == s).sum()) for s in SPLITS} | {"OOD": int(members[n]["OOD"].sum())}
+        for n in names
+    }
+    comparisons = []
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            sets = {}
+            for s in OOD_SETS:
+                x, y = members[a][s], members[b][s]
+                sets[s] = {
+                    "both": int((x & y).sum()),
+                    "either": int((x | y).sum()),
+                    "jaccard": _jaccard(x, y),
+                }
+            agreement = float(np.mean(labels[a] == labels[b])) if lengths[a] else None
+            comparisons.append({"a": a, "b": b, "agreement": agreement, "sets": sets})
+    return {"pairs": next(iter(lengths.values()), 0), "sizes": sizes, "comparisons": comparisons}
+
+
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def consistency_markdown(table: Mapping, divisions: Mapping[str, Sequence[str]]) -> str:
+    """The consistency table as two markdown tables: split sizes, then agreement per two."""
+    lines = [
+        f"{table['pairs']} pairs",
+        "",
+        "| division | scorers | ID | OOD-S | OOD-H | OOD |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for name, size in table["sizes"].items():
+        counts = " | ".join(str(size[s]) for s in (*SPLITS, "OOD"))
+        lines.append(f"| {name} | {', '.join(divisions[name])} | {counts} |")
+    lines += [
+        "",
+        "| a | b | same split | Jaccard OOD-S | Jaccard OOD-H | Jaccard OOD |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for c in table["comparisons"]:
+        jaccards = " | ".join(_cell(c["sets"][s]["jaccard"]) for s in OOD_SETS)
+        lines.append(f"| {c['a']} | {c['b']} | {_cell(c['agreement'])} | {jaccards} |")
+    return "\n".join(lines) + "\n"
