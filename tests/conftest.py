@@ -4,3 +4,28 @@
 # process when it is loaded after TensorFlow's; loading the PyTorch references first is safe.
 import timm  # noqa: F401
 import torchvision  # noqa: F401
+
+import contextlib  # noqa: E402
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    """A persistent compilation cache for one module's training runs (in-process and child
+    processes), so each step compiles once per module."""
+    path = str(tmp_path_factory.mktemp("xla_cache"))
+    saved = {
+        name: getattr(jax.config, name)
+        for name in ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    }
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    yield path
+    for name, value in saved.items():
+        jax.config.update(name, value)
+    with contextlib.suppress(Exception):  # private API; only matters to later test modules
+        from jax._src import compilation_cache
+
+        compilation_cache.reset_cache()

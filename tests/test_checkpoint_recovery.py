@@ -25,7 +25,6 @@ import pathlib
 import re
 import shutil
 
-import jax
 import ml_collections
 import pytest
 
@@ -38,24 +37,6 @@ CONFIG_FILE = REPO / "configs" / "synthetic_detr.py"
 STEPS = 4
 CHECKPOINTS = [1, 2, STEPS]
 LOSS_LINE = re.compile(r"^step (\d+)/(\d+)\s+loss (\S+)", re.MULTILINE)
-
-
-@pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("xla_cache"))
-    saved = {
-        name: getattr(jax.config, name)
-        for name in ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    }
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    yield path
-    for name, value in saved.items():
-        jax.config.update(name, value)
-    with contextlib.suppress(Exception):  # private API; only matters to later test modules
-        from jax._src import compilation_cache
-
-        compilation_cache.reset_cache()
 
 
 @pytest.fixture(scope="module")

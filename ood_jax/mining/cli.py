@@ -176,6 +176,32 @@ def _scorer_names(paths: list[str]) -> list[str]:
     return names
 
 
+def _pairs_dataset(args: argparse.Namespace, pairs) -> dict:
+    """The manifest's dataset entry of the (image, category) pairs read from --source."""
+    return {
+        "source": str(pathlib.Path(args.source).resolve()),
+        "records": _records(zip(pairs.image_ids.tolist(), pairs.category_ids.tolist())),
+    }
+
+
+def _score_with_each(
+    args: argparse.Namespace, pairs, scorer_paths: dict[str, str], record: dict, factory
+) -> dict:
+    """{name: S(x, c) per pair} for each named scorer, one encoding pass (cached) each."""
+    from ood_jax.mining import oodbench
+
+    scores = {}
+    for name, path in scorer_paths.items():
+        scorer = _load_scorer(factory, path)
+        record["scorers"].append({"name": name, **_scorer_manifest(path, scorer)})
+        print(f"scoring {len(pairs.image_ids)} pairs with {name} ({scorer.kind})")
+        cache = pathlib.Path(args.cache) / name if args.cache else None
+        scores[name] = oodbench.score_pairs(
+            pairs, scorer, args.templates, args.batch_size, not args.quiet, cache
+        )
+    return scores
+
+
 def run_oodbench(args: argparse.Namespace, scorer_factory: ScorerFactory | None = None) -> None:
     from ood_jax.data import building
     from ood_jax.mining import oodbench
@@ -186,22 +212,12 @@ def run_oodbench(args: argparse.Namespace, scorer_factory: ScorerFactory | None 
     except (ValueError, building.BuildError) as e:
         raise _fail(e) from None
     out = pathlib.Path(args.out) if args.out else pathlib.Path(args.source) / "splits.jsonl"
-    dataset = {
-        "source": str(pathlib.Path(args.source).resolve()),
-        "records": _records(zip(pairs.image_ids.tolist(), pairs.category_ids.tolist())),
-    }
+    dataset = _pairs_dataset(args, pairs)
     record = _start_manifest("oodbench", args, devices=True, dataset=dataset, scorers=[])
     with _recording(out, record):
         try:
-            scores = {}
-            for name, path in zip(_scorer_names(args.scorer), args.scorer):
-                scorer = _load_scorer(scorer_factory, path)
-                record["scorers"].append({"name": name, **_scorer_manifest(path, scorer)})
-                print(f"scoring {len(pairs.image_ids)} pairs with {name} ({scorer.kind})")
-                cache = pathlib.Path(args.cache) / name if args.cache else None
-                scores[name] = oodbench.score_pairs(
-                    pairs, scorer, args.templates, args.batch_size, not args.quiet, cache
-                )
+            named = dict(zip(_scorer_names(args.scorer), args.scorer))
+            scores = _score_with_each(args, pairs, named, record, scorer_factory)
             records = oodbench.split_records(
                 pairs, scores, args.threshold, max_per_split, args.seed
             )
@@ -269,22 +285,11 @@ def run_oodbench_ablation(
     except (ValueError, building.BuildError) as e:
         raise _fail(e) from None
     out = pathlib.Path(args.out)
-    dataset = {
-        "source": str(pathlib.Path(args.source).resolve()),
-        "records": _records(zip(pairs.image_ids.tolist(), pairs.category_ids.tolist())),
-    }
+    dataset = _pairs_dataset(args, pairs)
     record = _start_manifest("oodbench-ablation", args, devices=True, dataset=dataset, scorers=[])
     with _recording(out, record, directory=True):
         try:
-            scores = {}
-            for name, path in scorer_paths.items():
-                scorer = _load_scorer(scorer_factory, path)
-                record["scorers"].append({"name": name, **_scorer_manifest(path, scorer)})
-                print(f"scoring {len(pairs.image_ids)} pairs with {name} ({scorer.kind})")
-                cache = pathlib.Path(args.cache) / name if args.cache else None
-                scores[name] = oodbench.score_pairs(
-                    pairs, scorer, args.templates, args.batch_size, not args.quiet, cache
-                )
+            scores = _score_with_each(args, pairs, scorer_paths, record, scorer_factory)
             labels = oodbench.divide(scores, divisions, args.threshold)
         except (ValueError, building.BuildError) as e:
             raise _fail(e) from None
@@ -436,7 +441,6 @@ def add_parsers(subparsers) -> None:
         help="a scorer checkpoint; repeat for each (the paper uses CLIP and BLIP-2; BLIP-2 is not "
         "implemented, so use e.g. CLIP and SigLIP)",
     )
-    p.add_argument("--threshold", type=float, default=oodbench.THRESHOLD, help="T (default 0.05)")
     p.add_argument(
         "--max-per-split",
         type=int,
@@ -445,13 +449,7 @@ def add_parsers(subparsers) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the ID draw and the downsampling")
     p.add_argument("--out", help="splits file (default: SOURCE/splits.jsonl)")
-    p.add_argument(
-        "--templates",
-        nargs="+",
-        default=list(oodbench.DEFAULT_TEMPLATES),
-        help="category text templates, averaged (default: 'a photo of a {}.')",
-    )
-    _add_common(p, chunk_size=None)
+    _add_pair_scoring(p)
     p.set_defaults(run=run_oodbench)
 
     p = sub.add_parser(
@@ -482,15 +480,8 @@ def add_parsers(subparsers) -> None:
         metavar="A,B,...",
         help="divisions by the first 1, 2, ... of these scorers, in this order: OUT/series-K.jsonl",
     )
-    p.add_argument("--threshold", type=float, default=oodbench.THRESHOLD, help="T (default 0.05)")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument(
-        "--templates",
-        nargs="+",
-        default=list(oodbench.DEFAULT_TEMPLATES),
-        help="category text templates, averaged (default: 'a photo of a {}.')",
-    )
-    _add_common(p, chunk_size=None)
+    _add_pair_scoring(p)
     p.set_defaults(run=run_oodbench_ablation)
 
     p = sub.add_parser(
@@ -514,6 +505,20 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output directory (images/ and items.jsonl)")
     p.set_defaults(run=run_oodg)
+
+
+def _add_pair_scoring(p: argparse.ArgumentParser) -> None:
+    """What `mine oodbench` and `mine oodbench-ablation` score pairs with."""
+    from ood_jax.mining import oodbench
+
+    p.add_argument("--threshold", type=float, default=oodbench.THRESHOLD, help="T (default 0.05)")
+    p.add_argument(
+        "--templates",
+        nargs="+",
+        default=list(oodbench.DEFAULT_TEMPLATES),
+        help="category text templates, averaged (default: 'a photo of a {}.')",
+    )
+    _add_common(p, chunk_size=None)
 
 
 def _add_common(p: argparse.ArgumentParser, chunk_size: int | None) -> None:
