@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from test_scorers import perturbed, random_ids
+from test_scorers import check_sharded_over_a_mesh, perturbed, random_ids
 from transformers.models.groupvit import modeling_groupvit
 
 from ood_jax.scorers import convert_groupvit, groupvit, preprocess, scorer
@@ -198,6 +198,11 @@ def test_a_scorer_over_the_module(checkpoints) -> None:
     assert max_diff(s.image_features(pixels), expected["image_features"]) < ATOL
     assert max_diff(s.text_features(ids, mask), expected["text_features"]) < ATOL
     assert max_diff(s.encode_images(images), expected["image_embeds"]) < ATOL
+
+
+def test_batch_sharded_over_a_mesh(checkpoints) -> None:
+    # The grouping stages' token mixing and hard assignment stay per image under a data mesh.
+    check_sharded_over_a_mesh(checkpoints["three_stages"][0], vocab_size=99)
 
 
 def test_preprocessing_is_the_saved_clip_image_processor(checkpoints) -> None:

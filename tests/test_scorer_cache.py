@@ -49,7 +49,7 @@ def test_compute_equals_direct_encoding(tmp_path) -> None:
     assert out.dtype == np.float32
     assert [p.name for p in cache.shard_paths()] == [f"shard-{i:06d}.npz" for i in range(5)]
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert manifest["identity"] == IDENTITY and manifest["dim"] == DIM
+    assert manifest["identity"] == IDENTITY and manifest["shape"] == [DIM]
 
 
 def test_killed_run_resumes_without_recomputing_finished_shards(tmp_path) -> None:
@@ -117,7 +117,7 @@ def test_bad_encoder_output_and_stray_shards(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"shape \(3, 8\) for 4 ids"):
         cache.compute(IDS[:4], fetch, lambda items: encode(items)[:3])
     cache.compute(IDS[:4], fetch, encode)
-    with pytest.raises(ValueError, match="width 5; .*manifest.json says 8"):
+    with pytest.raises(ValueError, match=r"shape \[5\]; .*manifest.json says \[8\]"):
         cache.compute(IDS[4:8], fetch, lambda items: encode(items)[:, :5])
 
     stray = tmp_path / "b"
@@ -125,6 +125,39 @@ def test_bad_encoder_output_and_stray_shards(tmp_path) -> None:
     (stray / "shard-000000.npz").write_bytes(b"")
     with pytest.raises(ValueError, match="shards without a manifest.json"):
         EmbeddingCache(stray, identity=IDENTITY)
+
+
+def test_several_embeddings_per_id(tmp_path) -> None:
+    # BLIP-2 embeds an image as one vector per query token: [n, Q, D] shards, same resume rules.
+    def encode_queries(items: list[str]) -> np.ndarray:
+        return np.stack([encode(items), 2 * encode(items), -encode(items)], axis=1)
+
+    cache = EmbeddingCache(tmp_path, shard_size=5, identity=IDENTITY)
+    out = cache.compute(IDS[:12], fetch, encode_queries)
+    assert out.shape == (12, 3, DIM)
+    np.testing.assert_array_equal(out, encode_queries(fetch(IDS[:12])))
+    again = EmbeddingCache(tmp_path, shard_size=5, identity=IDENTITY)
+    calls = []
+    np.testing.assert_array_equal(
+        again.compute(IDS, fetch, lambda items: calls.append(len(items)) or encode_queries(items)),
+        encode_queries(fetch(IDS)),
+    )
+    assert calls == [5, 5, 1]  # only the 11 ids not cached yet
+    with pytest.raises(ValueError, match=r"shape \[8\]; .*says \[3, 8\]"):
+        again.compute(["new"], fetch, encode)
+
+
+def test_reads_format_1_caches(tmp_path) -> None:
+    # Format 1 manifests recorded a width "dim"; their shards stay readable.
+    EmbeddingCache(tmp_path, shard_size=5, identity=IDENTITY).compute(IDS[:7], fetch, encode)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    del manifest["shape"]
+    manifest.update(format_version=1, dim=DIM)
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    cache = EmbeddingCache(tmp_path, shard_size=5, identity=IDENTITY)
+    np.testing.assert_array_equal(
+        cache.compute(IDS[:7], fetch, Recorder(fail_on=1)), encode(fetch(IDS[:7]))
+    )
 
 
 def save_tiny_clip(path, seed: int) -> None:
@@ -161,7 +194,7 @@ def test_with_a_scorer_identity(tmp_path) -> None:
     cache = EmbeddingCache(tmp_path / "cache", shard_size=4, identity=scorer.identity)
     out = cache.compute(images, lambda ids: [images[i] for i in ids], scorer.encode_images)
     np.testing.assert_allclose(out, scorer.encode_images(list(images.values())), atol=1e-5)
-    assert json.loads((tmp_path / "cache" / "manifest.json").read_text())["dim"] == 16
+    assert json.loads((tmp_path / "cache" / "manifest.json").read_text())["shape"] == [16]
 
     other = scorers.from_hf(tmp_path / "model_b")
     with pytest.raises(ValueError, match="another scorer"):

@@ -360,28 +360,30 @@ _MESH_SCRIPT = textwrap.dedent(
     from ood_jax import scorers
     from ood_jax.sharding import make_mesh
 
+    path, vocab = sys.argv[1], int(sys.argv[2])
     assert jax.device_count() == 4
-    sharded = scorers.from_hf(sys.argv[1], mesh=make_mesh([("data", -1)]), batch_size=6)
+    sharded = scorers.from_hf(path, mesh=make_mesh([("data", -1)]), batch_size=6)
     assert sharded.batch_size == 8  # rounded up to a multiple of the 4 devices
-    batch = sharded._put(np.zeros((8, 32, 32, 3), np.float32))
+    batch = sharded._put(np.zeros((8, *sharded.image_size, 3), np.float32))
     assert len(batch.sharding.device_set) == 4 and batch.addressable_shards[0].data.shape[0] == 2
-    plain = scorers.from_hf(sys.argv[1], batch_size=8)
+    plain = scorers.from_hf(path, batch_size=8)
     rng = np.random.default_rng(0)
     images = [rng.integers(0, 256, size=(40 + i, 36, 3), dtype=np.uint8) for i in range(11)]
     got, expected = sharded.encode_images(images), plain.encode_images(images)
     np.testing.assert_allclose(got, expected, atol=1e-5)
-    ids = rng.integers(3, 100, size=(5, 16))
+    ids = rng.integers(3, vocab, size=(5, sharded.text_length))
     np.testing.assert_allclose(sharded.text_features(ids), plain.text_features(ids), atol=1e-5)
     print("ok")
     """
 )
 
 
-def test_batch_sharded_over_a_mesh(checkpoints) -> None:
-    # A child process, so that XLA_FLAGS gives it 4 CPU devices before jax starts.
+def check_sharded_over_a_mesh(path, vocab_size: int) -> None:
+    """A scorer from `path` on a 4-device data mesh embeds as the unsharded one does. In a child
+    process, so that XLA_FLAGS gives it 4 CPU devices before jax starts."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     result = subprocess.run(
-        [sys.executable, "-c", _MESH_SCRIPT, str(checkpoints["clip"][0])],
+        [sys.executable, "-c", _MESH_SCRIPT, str(path), str(vocab_size)],
         env=env,
         capture_output=True,
         text=True,
@@ -389,6 +391,10 @@ def test_batch_sharded_over_a_mesh(checkpoints) -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("ok")
+
+
+def test_batch_sharded_over_a_mesh(checkpoints) -> None:
+    check_sharded_over_a_mesh(checkpoints["clip"][0], vocab_size=100)
 
 
 # --------------------------------------------------------------------------- open_clip

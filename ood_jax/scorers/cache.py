@@ -3,6 +3,9 @@
     cache = EmbeddingCache("work/clip_cache", shard_size=4096, identity=scorer.identity)
     features = cache.compute(paths, fetch_fn=read_images, encode_fn=scorer.encode_images)
 
+Each id's embedding is an array of one fixed shape per cache: [D] for a pooled embedding, or
+[Q, D] for a scorer with several embeddings per image (BLIP-2's query tokens).
+
 `compute` looks every id up in the shards already written, then fetches and encodes the missing
 ones `shard_size` at a time, writing each group as a shard (npz with "ids" and float32
 "embeddings", written beside its final name and renamed, so a shard is either whole or absent)
@@ -11,7 +14,7 @@ it reads the finished shards and encodes the rest, and returns the same array as
 never interrupted.
 
 manifest.json records the scorer's identity (checkpoint path, config hash, dtype, ...: whatever
-`identity` holds) and the embedding width; opening the directory with another identity fails
+`identity` holds) and the shape of one embedding; opening the directory with another identity fails
 instead of mixing embeddings of two models. Ids are compared as strings. One writer at a time.
 """
 
@@ -27,7 +30,7 @@ import numpy as np
 from ood_jax import files
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1 recorded a width "dim"; 2 records the per-id shape, and reads 1
 SHARD_PATTERN = re.compile(r"shard-(\d{6})\.npz")
 
 
@@ -73,7 +76,7 @@ class EmbeddingCache:
         if not path.exists():
             if self.shard_paths():
                 raise ValueError(f"{self.directory}: shards without a {MANIFEST}; not a cache")
-            manifest = {"format_version": FORMAT_VERSION, "identity": self.identity, "dim": None}
+            manifest = {"format_version": FORMAT_VERSION, "identity": self.identity, "shape": None}
             self._write_manifest(manifest)
             return manifest
         try:
@@ -81,8 +84,10 @@ class EmbeddingCache:
             version, identity = manifest["format_version"], manifest["identity"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{path}: not an embedding cache manifest ({e!r})") from None
-        if version != FORMAT_VERSION:
-            raise ValueError(f"{path}: format_version {version!r}; this reads {FORMAT_VERSION}")
+        if version not in (1, FORMAT_VERSION):
+            raise ValueError(
+                f"{path}: format_version {version!r}; this reads 1 and {FORMAT_VERSION}"
+            )
         if identity != self.identity:
             raise ValueError(
                 f"{path}: this cache holds embeddings of another scorer:\n"
@@ -90,6 +95,10 @@ class EmbeddingCache:
                 f"  requested: {json.dumps(self.identity, sort_keys=True)}\n"
                 "use another directory (or delete this one to recompute)"
             )
+        if version == 1:
+            dim = manifest.pop("dim", None)
+            manifest = {**manifest, "format_version": FORMAT_VERSION}
+            manifest["shape"] = None if dim is None else [dim]
         return manifest
 
     # ------------------------------------------------------------------ shards
@@ -136,12 +145,12 @@ class EmbeddingCache:
         fetch_fn: Callable[[list[str]], Any],
         encode_fn: Callable[[Any], np.ndarray],
     ) -> np.ndarray:
-        """float32 [len(ids), D] embeddings of `ids`, in order, computing only the missing ones.
+        """float32 [len(ids), *shape] embeddings of `ids`, in order, computing only the missing ones.
 
         Args:
           ids: example ids (compared as strings; repeats are computed once).
           fetch_fn: a list of missing ids, as given -> what `encode_fn` takes (e.g. images).
-          encode_fn: fetched examples -> [n, D] embeddings, one row per id.
+          encode_fn: fetched examples -> [n, ...] embeddings, one per id, of one shape.
         """
         ids = list(ids)
         keys = [str(i) for i in ids]
@@ -160,32 +169,34 @@ class EmbeddingCache:
         return self._gather(keys, index)
 
     def _checked(self, embeddings: np.ndarray, rows: int) -> np.ndarray:
-        dim = self.manifest["dim"]
-        if embeddings.ndim != 2 or embeddings.shape[0] != rows:
+        shape = self.manifest["shape"]
+        if embeddings.ndim < 2 or embeddings.shape[0] != rows:
             raise ValueError(
                 f"encode_fn returned shape {embeddings.shape} for {rows} ids; expected [{rows}, D]"
             )
-        if dim is None:
-            self.manifest = {**self.manifest, "dim": int(embeddings.shape[1])}
+        if shape is None:
+            self.manifest = {**self.manifest, "shape": list(embeddings.shape[1:])}
             self._write_manifest(self.manifest)
-        elif embeddings.shape[1] != dim:
+        elif list(embeddings.shape[1:]) != shape:
             raise ValueError(
-                f"encode_fn returned width {embeddings.shape[1]}; {self.manifest_path} says {dim}"
+                f"encode_fn returned embeddings of shape {list(embeddings.shape[1:])}; "
+                f"{self.manifest_path} says {shape}"
             )
         return embeddings.astype(np.float32, copy=False)
 
     def _gather(self, keys: Sequence[str], index: Mapping[str, tuple[Path, int]]) -> np.ndarray:
-        dim = self.manifest["dim"]
-        out = np.zeros((len(keys), dim or 0), np.float32)
+        shape = self.manifest["shape"] or [0]
+        out = np.zeros((len(keys), *shape), np.float32)
         by_shard: dict[Path, list[tuple[int, int]]] = {}
         for i, key in enumerate(keys):
             path, row = index[key]
             by_shard.setdefault(path, []).append((i, row))
         for path, pairs in by_shard.items():
             embeddings = self._read_embeddings(path)
-            if embeddings.ndim != 2 or embeddings.shape[1] != dim:
+            if list(embeddings.shape[1:]) != shape:
                 raise ValueError(
-                    f"{path}: embeddings of shape {embeddings.shape}, expected [n, {dim}]"
+                    f"{path}: embeddings of shape {embeddings.shape}, expected [n, "
+                    f"{', '.join(map(str, shape))}]"
                 )
             targets, rows = map(list, zip(*pairs))
             out[targets] = embeddings[rows]

@@ -38,6 +38,17 @@ class CLIP(nn.Module):
     def setup(self) -> None:
         self.t = self.param("t", nn.initializers.constant(self.logit_scale_init), ())
 
+    @property
+    def image_size(self) -> tuple[int, int]:
+        """(h, w) the image tower's position embeddings were learned for."""
+        encoder = self.image.encoder
+        return tuple(g * encoder.patch_size for g in encoder.pos_grid)
+
+    @property
+    def text_length(self) -> int:
+        """Tokens per text: the text tower's position embeddings."""
+        return self.text.max_len
+
     def image_features(self, images: jax.Array) -> jax.Array:
         """[B, H, W, 3] normalized pixels -> [B, D] projected features, not normalized."""
         return self.image(images).astype(jnp.float32)

@@ -115,18 +115,22 @@ class Scorer:
     @property
     def image_size(self) -> tuple[int, int]:
         """(h, w) the image tower was trained at."""
-        encoder = self.module.image.encoder
-        return tuple(g * encoder.patch_size for g in encoder.pos_grid)
+        return tuple(self.module.image_size)
 
     @property
     def text_length(self) -> int:
-        return self.module.text.max_len
+        return self.module.text_length
 
     @functools.cached_property
-    def dim(self) -> int:
-        """Embedding width."""
+    def image_embedding_shape(self) -> tuple[int, ...]:
+        """Shape of one image's embedding: (D,), or (Q, D) for BLIP-2's query embeddings."""
         pixels = jax.ShapeDtypeStruct((1, *self.image_size, 3), jnp.float32)
-        return int(jax.eval_shape(self._image_fn, self.variables, pixels).shape[-1])
+        return tuple(jax.eval_shape(self._image_fn, self.variables, pixels).shape[1:])
+
+    @property
+    def dim(self) -> int:
+        """Embedding width (shared by images and texts)."""
+        return self.image_embedding_shape[-1]
 
     # ------------------------------------------------------------------ features
 
