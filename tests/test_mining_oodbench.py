@@ -101,6 +101,41 @@ def test_probabilities_match_numpy_on_random_features():
         oodbench.clip_probability(images, texts, np.full(999, 80), 100.0)
 
 
+@torch.no_grad()
+def test_blip2_probability_matches_transformers_itc_softmax():
+    # BLIP-2's contrastive logits (best query per image-text pair), softmaxed over categories at
+    # 1 / temperature; each image stored once and indexed by its pairs.
+    from transformers import Blip2Config, Blip2ForImageTextRetrieval
+
+    torch.manual_seed(2)
+    config = Blip2Config(
+        vision_config=dict(_VISION, intermediate_size=40),
+        qformer_config=dict(
+            vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=37, encoder_hidden_size=32, max_position_embeddings=12,
+            use_qformer_text_input=True,
+        ),
+        num_query_tokens=5, image_text_hidden_size=16,
+    )  # fmt: skip
+    model = Blip2ForImageTextRetrieval(config).eval()
+    model.query_tokens.normal_()
+    ids = torch.randint(3, 60, (7, 12))
+    out = model(pixel_values=torch.randn(4, 3, 16, 16), input_ids=ids)
+    scale = 1 / 0.07
+    want = torch.softmax(scale * out.logits_per_image, dim=-1).numpy()
+    images, categories = _pairs(np.random.default_rng(3), 4, 7, 90)
+    got = oodbench.clip_probability(
+        out.image_embeds.numpy() * 3.0, out.text_embeds.numpy(), categories, scale,
+        chunk_size=32, image_rows=images,
+    )  # fmt: skip
+    np.testing.assert_allclose(got, want[images, categories], rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match=r"image_rows\[\d+\] = 4 is outside \[0, 4\)"):
+        oodbench.clip_probability(
+            out.image_embeds.numpy(), out.text_embeds.numpy(), categories, scale,
+            image_rows=np.where(images == 0, 4, images),
+        )  # fmt: skip
+
+
 def test_assign_splits_table():
     t = oodbench.THRESHOLD
     scores = {

@@ -18,13 +18,16 @@ import numpy as np
 DEFAULT_CHUNK_SIZE = 4096
 
 
-def check_features(name: str, features: np.ndarray, dim: int | None = None) -> np.ndarray:
-    """A float32 [N, D] copy of `features`; ValueError naming `name` for a bad shape or value."""
+def check_features(
+    name: str, features: np.ndarray, dim: int | None = None, per_row: bool = False
+) -> np.ndarray:
+    """A float32 [N, D] copy of `features` (or [N, Q, D] with `per_row`: several embeddings per
+    row, as BLIP-2's query tokens); ValueError naming `name` for a bad shape or value."""
     array = np.asarray(features)
-    if array.ndim != 2:
-        raise ValueError(f"{name} must be [N, D], got shape {array.shape}")
-    if dim is not None and array.shape[1] != dim:
-        raise ValueError(f"{name} has dimension {array.shape[1]}, expected {dim}")
+    if array.ndim != 2 and not (per_row and array.ndim == 3):
+        raise ValueError(f"{name} must be [N, D]{' or [N, Q, D]' * per_row}, got {array.shape}")
+    if dim is not None and array.shape[-1] != dim:
+        raise ValueError(f"{name} has dimension {array.shape[-1]}, expected {dim}")
     if not np.issubdtype(array.dtype, np.floating):
         raise ValueError(f"{name} must hold floats, got {array.dtype}")
     if not np.isfinite(array).all():

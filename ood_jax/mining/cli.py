@@ -190,10 +190,20 @@ def _score_with_each(
     """{name: S(x, c) per pair} for each named scorer, one encoding pass (cached) each."""
     from ood_jax.mining import oodbench
 
+    scales = _unique("--logit-scale", args.logit_scale or [])
+    unknown = sorted(set(scales) - set(scorer_paths))
+    if unknown:
+        raise ValueError(
+            f"--logit-scale {unknown[0]}: no scorer of that name (scorers: {', '.join(scorer_paths)})"
+        )
     scores = {}
     for name, path in scorer_paths.items():
         scorer = _load_scorer(factory, path)
-        record["scorers"].append({"name": name, **_scorer_manifest(path, scorer)})
+        entry = {"name": name, **_scorer_manifest(path, scorer)}
+        if name in scales:
+            entry["logit_scale"] = {"checkpoint": scorer.logit_scale, "given": scales[name]}
+            scorer.logit_scale = scales[name]
+        record["scorers"].append(entry)
         print(f"scoring {len(pairs.image_ids)} pairs with {name} ({scorer.kind})")
         cache = pathlib.Path(args.cache) / name if args.cache else None
         scores[name] = oodbench.score_pairs(
@@ -438,8 +448,8 @@ def add_parsers(subparsers) -> None:
         "--scorer",
         action="append",
         required=True,
-        help="a scorer checkpoint; repeat for each (the paper uses CLIP and BLIP-2; BLIP-2 is not "
-        "implemented, so use e.g. CLIP and SigLIP)",
+        help="a scorer checkpoint (CLIP, SigLIP, BLIP-2, GroupViT or LiT directory); repeat for "
+        "each (the paper uses CLIP and BLIP-2); named after its directory for --logit-scale",
     )
     p.add_argument(
         "--max-per-split",
@@ -507,11 +517,31 @@ def add_parsers(subparsers) -> None:
     p.set_defaults(run=run_oodg)
 
 
+def _logit_scale(spec: str) -> tuple[str, float]:
+    name, value = _named(spec)
+    try:
+        scale = float(value)
+    except ValueError:
+        scale = float("nan")
+    if not scale > 0 or scale == float("inf"):
+        raise argparse.ArgumentTypeError(f"{spec!r}: the logit scale must be a positive number")
+    return name, scale
+
+
 def _add_pair_scoring(p: argparse.ArgumentParser) -> None:
     """What `mine oodbench` and `mine oodbench-ablation` score pairs with."""
     from ood_jax.mining import oodbench
 
     p.add_argument("--threshold", type=float, default=oodbench.THRESHOLD, help="T (default 0.05)")
+    p.add_argument(
+        "--logit-scale",
+        action="append",
+        type=_logit_scale,
+        metavar="NAME=SCALE",
+        help="score scorer NAME at this logit scale (1 / temperature) instead of its checkpoint's; "
+        "needed for BLIP-2 retrieval checkpoints from transformers, which drop BLIP-2's learned "
+        "temperature (the manifest records both)",
+    )
     p.add_argument(
         "--templates",
         nargs="+",

@@ -7,9 +7,11 @@ this generalizes to any number: OOD-H when every scorer is below T, OOD-S when s
 
 - CLIP: S(x, c) = softmax over the dataset's category names of logit_scale * cos(x, c), taken at c
   (`clip_probability`), the posterior the paper's InfoNCE section writes down.
+  GroupViT and LiT score the same way (both are trained with CLIP's softmax contrastive loss).
+- BLIP-2: the same softmax, with cos(x, c) the best cosine over the image's query embeddings
+  (BLIP-2's image-text contrastive similarity) and logit_scale 1 / BLIP-2's learned temperature.
 - SigLIP: S(x, c) = sigmoid(logit_scale * cos(x, c) + logit_bias) (`siglip_probability`), the
-  pairwise probability SigLIP is trained to give. The paper's second scorer is BLIP-2; BLIP-2 is
-  not implemented here, and `ood-jax mine oodbench` defaults to CLIP + SigLIP instead.
+  pairwise probability SigLIP is trained to give.
 
 Which pairs are scored: Definition 1 makes an instance OOD when the object "is spatially present"
 but contextually irrelevant, or present in an anomalous form, so every candidate pair is an image
@@ -62,33 +64,39 @@ DEFAULT_TEMPLATES = ("a photo of a {}.",)
 
 
 def _cosine(images, texts):
+    """[N, D] or [N, Q, D] images, [C, D] texts -> [N, C]; an image with several embeddings
+    (BLIP-2's queries) takes its best cosine, as BLIP-2's contrastive similarity does."""
     images = images / jnp.linalg.norm(images, axis=-1, keepdims=True)
     texts = texts / jnp.linalg.norm(texts, axis=-1, keepdims=True)
-    return images @ texts.T
+    cosine = images @ texts.T
+    return cosine.max(axis=1) if cosine.ndim == 3 else cosine
 
 
 @jax.jit
-def _softmax_at(images, categories, texts, logit_scale):
-    logits = logit_scale * _cosine(images, texts)
+def _softmax_at(rows, categories, images, texts, logit_scale):
+    logits = logit_scale * _cosine(images[rows], texts)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     return jnp.exp(jnp.take_along_axis(log_probs, categories[:, None], axis=1)[:, 0])
 
 
 @jax.jit
-def _sigmoid_at(images, categories, texts, logit_scale, logit_bias):
-    cosine = jnp.take_along_axis(_cosine(images, texts), categories[:, None], axis=1)[:, 0]
+def _sigmoid_at(rows, categories, images, texts, logit_scale, logit_bias):
+    cosine = jnp.take_along_axis(_cosine(images[rows], texts), categories[:, None], axis=1)[:, 0]
     return jax.nn.sigmoid(logit_scale * cosine + logit_bias)
 
 
-def _checked(image_features, text_features, categories):
+def _checked(image_features, text_features, categories, image_rows):
     texts = mining.check_features("text_features", text_features)
-    images = mining.check_features("image_features", image_features, texts.shape[1])
-    categories = mining.check_indices("categories", categories, len(texts), len(images))
+    images = mining.check_features("image_features", image_features, texts.shape[1], per_row=True)
     for name, features in (("image_features", images), ("text_features", texts)):
-        zero = ~np.any(features, axis=1)
+        zero = ~np.any(features, axis=-1).reshape(len(features), -1).all(axis=1)
         if zero.any():
-            raise ValueError(f"{name} row {int(np.argmax(zero))} is all zeros")
-    return images, texts, categories
+            raise ValueError(f"{name} row {int(np.argmax(zero))} has an all-zero embedding")
+    if image_rows is None:
+        image_rows = np.arange(len(images))
+    rows = mining.check_indices("image_rows", image_rows, len(images), len(image_rows))
+    categories = mining.check_indices("categories", categories, len(texts), len(rows))
+    return rows, categories, images, texts
 
 
 def clip_probability(
@@ -97,16 +105,20 @@ def clip_probability(
     categories: np.ndarray,
     logit_scale: float,
     chunk_size: int = mining.DEFAULT_CHUNK_SIZE,
+    image_rows: np.ndarray | None = None,
 ) -> np.ndarray:
     """float32 [N]: softmax over all C categories of logit_scale * cosine, at each pair's category.
 
-    image_features [N, D] (one row per pair), text_features [C, D] (every category of the
-    dataset), categories [N] (index of each pair's category); both features normalized here.
+    image_features [N, D] (one row per pair; or [N, Q, D], scored by the best of the Q),
+    text_features [C, D] (every category of the dataset), categories [N] (index of each pair's
+    category); both features normalized here. With `image_rows` [P], image_features holds each
+    image once and pair p is image `image_rows[p]`: no per-pair copy of the features is made.
     """
-    images, texts, categories = _checked(image_features, text_features, categories)
-    scale = np.float32(logit_scale)
-    fn = functools.partial(_softmax_at, logit_scale=scale)
-    return mining.map_rows_in_chunks(fn, [images, categories], [texts], chunk_size)[0]
+    rows, categories, images, texts = _checked(
+        image_features, text_features, categories, image_rows
+    )
+    fn = functools.partial(_softmax_at, logit_scale=np.float32(logit_scale))
+    return mining.map_rows_in_chunks(fn, [rows, categories], [images, texts], chunk_size)[0]
 
 
 def siglip_probability(
@@ -116,13 +128,17 @@ def siglip_probability(
     logit_scale: float,
     logit_bias: float,
     chunk_size: int = mining.DEFAULT_CHUNK_SIZE,
+    image_rows: np.ndarray | None = None,
 ) -> np.ndarray:
-    """float32 [N]: sigmoid(logit_scale * cosine + logit_bias) of each pair's category."""
-    images, texts, categories = _checked(image_features, text_features, categories)
+    """float32 [N]: sigmoid(logit_scale * cosine + logit_bias) of each pair's category; the
+    arguments as `clip_probability`'s."""
+    rows, categories, images, texts = _checked(
+        image_features, text_features, categories, image_rows
+    )
     fn = functools.partial(
         _sigmoid_at, logit_scale=np.float32(logit_scale), logit_bias=np.float32(logit_bias)
     )
-    return mining.map_rows_in_chunks(fn, [images, categories], [texts], chunk_size)[0]
+    return mining.map_rows_in_chunks(fn, [rows, categories], [images, texts], chunk_size)[0]
 
 
 def assign_splits(scores: Mapping[str, np.ndarray], threshold: float = THRESHOLD) -> np.ndarray:
@@ -209,10 +225,16 @@ def score_pairs(
     progress: bool = True,
     cache_dir: str | pathlib.Path | None = None,
 ) -> np.ndarray:
-    """float32 [P]: S(x, c) of each pair under one scorer (softmax for CLIP, sigmoid for SigLIP);
-    image features cached in `cache_dir` if given (see `foci.encode_image_files`)."""
+    """float32 [P]: S(x, c) of each pair under one scorer (the module docstring); image
+    features cached in `cache_dir` if given (see `foci.encode_image_files`)."""
     from ood_jax.mining import foci
 
+    if scorer.logit_scale is None:
+        raise ValueError(
+            f"scorer {getattr(scorer, 'identity', {}).get('path', scorer.kind)}: no logit scale, so no "
+            "probability; transformers' BLIP-2 retrieval checkpoints drop BLIP-2's learned "
+            "temperature: give it (--logit-scale NAME=1/temperature)"
+        )
     category_ids = list(pairs.category_names)
     texts = [category_text(pairs.category_names[c]) for c in category_ids]
     text_features = np.asarray(scorer.encode_texts(texts, templates=tuple(templates)), np.float32)
@@ -222,17 +244,23 @@ def score_pairs(
     )
     row = {image_id: k for k, image_id in enumerate(image_ids)}
     column = {category_id: k for k, category_id in enumerate(category_ids)}
-    pair_images = image_features[[row[i] for i in pairs.image_ids.tolist()]]
+    image_rows = np.array([row[i] for i in pairs.image_ids.tolist()], np.int32)
     pair_categories = np.array([column[c] for c in pairs.category_ids.tolist()], np.int32)
     if scorer.kind in scorers.SOFTMAX_KINDS:
-        return clip_probability(pair_images, text_features, pair_categories, scorer.logit_scale)
+        return clip_probability(
+            image_features, text_features, pair_categories, scorer.logit_scale,
+            image_rows=image_rows,
+        )  # fmt: skip
     if scorer.kind == "siglip":
         if scorer.logit_bias is None:
             raise ValueError("a SigLIP scorer needs a logit_bias")
         return siglip_probability(
-            pair_images, text_features, pair_categories, scorer.logit_scale, scorer.logit_bias
-        )
-    raise ValueError(f"unknown scorer kind {scorer.kind!r}; expected 'clip' or 'siglip'")
+            image_features, text_features, pair_categories, scorer.logit_scale,
+            scorer.logit_bias, image_rows=image_rows,
+        )  # fmt: skip
+    raise ValueError(
+        f"unknown scorer kind {scorer.kind!r}; expected one of {', '.join(scorers.KINDS)}"
+    )
 
 
 def split_records(
