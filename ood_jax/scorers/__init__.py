@@ -13,6 +13,21 @@ processor), `scorer` (batched, jitted, sharded inference), `cache` (resumable em
 """
 
 from ood_jax.scorers.cache import EmbeddingCache
-from ood_jax.scorers.scorer import KINDS, SOFTMAX_KINDS, Scorer, from_hf, from_open_clip
+from ood_jax.scorers.scorer import (
+    KINDS,
+    SOFTMAX_KINDS,
+    Scorer,
+    from_hf,
+    from_lavis,
+    from_open_clip,
+)
 
-__all__ = ["KINDS", "SOFTMAX_KINDS", "EmbeddingCache", "Scorer", "from_hf", "from_open_clip"]
+__all__ = [
+    "KINDS",
+    "SOFTMAX_KINDS",
+    "EmbeddingCache",
+    "Scorer",
+    "from_hf",
+    "from_lavis",
+    "from_open_clip",
+]

@@ -4,7 +4,8 @@
 `CLIPImageProcessor` / `SiglipImageProcessor` fields: do_resize, size, resample, do_center_crop,
 crop_size, do_rescale, rescale_factor, do_normalize, image_mean, image_std); without the file,
 or for the fields it leaves out, the processor class's defaults apply, with the model's own image
-size in place of the class's 224.
+size in place of the class's 224. BLIP-2 ("blip2") checkpoints ship `BlipImageProcessor`: a
+square resize without center crop, with OpenAI CLIP's statistics.
 
 `ImagePreprocessing(image)` maps one uint8 [H, W, 3] image to float32 [h, w, 3] as the processor
 does:
@@ -38,7 +39,8 @@ RESAMPLE_CODES = {int(r) for r in Image.Resampling}
 
 
 def _defaults(kind: str, image_size: int) -> dict[str, Any]:
-    """`CLIPImageProcessor` / `SiglipImageProcessor` class defaults at the model's image size."""
+    """`CLIPImageProcessor` / `SiglipImageProcessor` / `BlipImageProcessor` class defaults at
+    the model's image size."""
     # GroupViT's checkpoints ship CLIP's processor, with their own statistics in the file.
     if kind in ("clip", "groupvit"):
         return {
@@ -66,6 +68,9 @@ def _defaults(kind: str, image_size: int) -> dict[str, Any]:
             "image_mean": IMAGENET_STANDARD_MEAN,
             "image_std": IMAGENET_STANDARD_STD,
         }
+    if kind == "blip2":  # SigLIP's square resize without crop, with OpenAI CLIP's statistics
+        statistics = {"image_mean": OPENAI_CLIP_MEAN, "image_std": OPENAI_CLIP_STD}
+        return {**_defaults("siglip", image_size), **statistics}
     raise ValueError(f"unknown scorer kind {kind!r}")
 
 

@@ -1,9 +1,13 @@
-"""`Scorer`: a converted CLIP / SigLIP model with its preprocessing and tokenizer, jitted.
+"""`Scorer`: a converted CLIP / SigLIP / GroupViT / BLIP-2 / LiT model with its preprocessing
+and tokenizer, jitted.
 
     scorer = from_hf("checkpoints/clip-vit-large-patch14")   # config.json + model.safetensors
     image_embeds = scorer.encode_images(images)             # uint8 [H, W, 3] each -> [N, D]
     text_embeds = scorer.encode_texts(["cat", "dog"], templates=("a photo of a {}.",))
     logits = scorer.logit_scale * image_embeds @ text_embeds.T (+ scorer.logit_bias for SigLIP)
+
+BLIP-2 embeds an image as one vector per learned query, [N, Q, D], and scores an image-text pair
+by the best of them (`image_embedding_shape` says which); `ood_jax.mining.oodbench` scores both.
 
 Every device call runs on a fixed batch (`batch_size` rows; the last batch is padded and the
 padding sliced off), so each input shape compiles once. With a mesh the batch is split over its
@@ -39,7 +43,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ood_jax.models import convert as model_convert
-from ood_jax.scorers import clip, convert, convert_groupvit, preprocess
+from ood_jax.scorers import clip, convert, convert_blip2, convert_groupvit, convert_lit, preprocess
 from ood_jax import sharding
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -49,22 +53,25 @@ def _sha256(file: Path) -> str | None:
     return hashlib.sha256(file.read_bytes()).hexdigest() if file.is_file() else None
 
 
-# Scorer kinds whose image-text probability is a softmax over the texts and whose text tower
-# (CLIP's) takes the tokenizer's padding mask; SigLIP's is a sigmoid of each pair's logit.
-SOFTMAX_KINDS = ("clip", convert_groupvit.KIND)
-KINDS = (*convert.KINDS.values(), convert_groupvit.KIND)
+# Scorer kinds whose image-text probability is a softmax over the texts (all trained with CLIP's
+# contrastive loss); SigLIP's is a sigmoid of each pair's logit.
+SOFTMAX_KINDS = ("clip", convert_groupvit.KIND, convert_blip2.KIND, convert_lit.KIND)
+KINDS = (*convert.KINDS.values(), convert_groupvit.KIND, convert_blip2.KIND, convert_lit.KIND)
+# Text towers that take the tokenizer's padding mask (SigLIP's attends to its pad tokens).
+MASKED_TEXT_KINDS = ("clip", convert_groupvit.KIND, convert_blip2.KIND)
 
 
 class Scorer:
-    """A CLIP, SigLIP or GroupViT model ready to embed images and texts; build it with
-    `from_hf`.
+    """A contrastive image-text model ready to embed images and texts; build it with `from_hf`.
 
     Attributes:
-      kind: "clip", "siglip" or "groupvit".
-      module, variables: the Flax two-tower model and its float32 parameters.
+      kind: one of `KINDS`.
+      module, variables: the Flax model and its float32 parameters; the module has
+        `image_features` and `text_features` methods and `image_size`, `text_length` properties.
       preprocessing: the image processor (`preprocess.ImagePreprocessing`).
-      logit_scale: exp of the learned log scale, a float (as transformers applies it).
-      logit_bias: SigLIP's logit bias, None for CLIP.
+      logit_scale: exp of the learned log scale, a float (as transformers applies it); the
+        `logit_scale` argument where the checkpoint has none (BLIP-2 from transformers), else None.
+      logit_bias: SigLIP's logit bias, None for the others.
       identity: what makes embeddings reproducible (checkpoint path, hashes of its config and
         preprocessor files, dtype); `EmbeddingCache` refuses a cache written under another.
       batch_size: rows per device call (a multiple of the mesh's device count); each method
@@ -80,10 +87,15 @@ class Scorer:
         *,
         tokenizer_dir: str | Path | None,
         identity: dict[str, Any],
+        tokenize_fn: Callable[[list[str]], dict[str, np.ndarray]] | None = None,
+        logit_scale: float | None = None,
         mesh: Mesh | None = None,
         batch_size: int = 32,
         num_workers: int | None = None,
     ):
+        """`tokenize_fn` (texts -> {"input_ids"[, "attention_mask"]}, int [M, text_length])
+        replaces transformers' tokenizer from `tokenizer_dir` (LiT's sentencepiece and WordPiece
+        rules); `logit_scale` supplies one to a checkpoint without a learned "t"."""
         if kind not in KINDS:
             raise ValueError(f"unknown scorer kind {kind!r}; scorers are {', '.join(KINDS)}")
         self.kind = kind
@@ -96,19 +108,23 @@ class Scorer:
         self.num_workers = num_workers or min(8, os.cpu_count() or 1)
 
         params = variables["params"]
-        self.logit_scale = float(np.exp(params["t"]))
+        self.logit_scale = float(np.exp(params["t"])) if "t" in params else logit_scale
         self.logit_bias = float(params["b"]) if "b" in params else None
         if mesh is not None:
             variables = jax.device_put(variables, sharding.replicated(mesh))
         self.variables = variables
         self._batch_sharding = None if mesh is None else sharding.batch_sharding(mesh)
         self._tokenizer = None
+        self._tokenize_fn = tokenize_fn
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
         # Embeddings are normalized on the host, so that features and embeddings share one
         # compiled function per input shape.
         self._image_fn = jax.jit(functools.partial(_image_features, module))
         self._text_fn = jax.jit(functools.partial(_text_features, module))
+        if hasattr(module, "itm_logits"):
+            self._states_fn = jax.jit(functools.partial(_vision_states, module))
+            self._match_fn = jax.jit(functools.partial(_match_probability, module))
 
     # ------------------------------------------------------------------ shapes
 
@@ -157,7 +173,9 @@ class Scorer:
                 f"pixels are {pixels.shape[1]}x{pixels.shape[2]}; the model takes "
                 f"{self.image_size[0]}x{self.image_size[1]}"
             )
-        return self._run(self._image_fn, _batches([pixels], self._rows(batch_size)))
+        return self._run(
+            self._image_fn, _batches([pixels], self._rows(batch_size)), self.image_embedding_shape
+        )
 
     def text_features(
         self, input_ids: Any, attention_mask: Any | None = None, batch_size: int | None = None
@@ -173,19 +191,11 @@ class Scorer:
             if mask.shape != ids.shape:
                 raise ValueError(f"attention_mask shape {mask.shape} != input_ids {ids.shape}")
             arrays.append(mask.astype(np.int32))
-        return self._run(self._text_fn, _batches(arrays, self._rows(batch_size)))
+        return self._run(self._text_fn, _batches(arrays, self._rows(batch_size)), (self.dim,))
 
     # ------------------------------------------------------------------ embeddings
 
-    def preprocess(self, image: Any) -> np.ndarray:
-        """One uint8 [H, W, 3] image -> the model's input, float32 [h, w, 3]."""
-        return self.preprocessing(image)
-
-    def encode_images(
-        self, images: Sequence[Any] | np.ndarray, batch_size: int | None = None
-    ) -> np.ndarray:
-        """uint8 images of any sizes (a list, or one [N, H, W, 3] array) -> L2-normalized
-        float32 [N, D], preprocessed as the checkpoint's image processor does."""
+    def _check_preprocessing(self) -> None:
         size = self.preprocessing.output_size
         if size is None:
             raise ValueError(
@@ -197,16 +207,29 @@ class Scorer:
                 f"{preprocess.PREPROCESSOR_FILE}: images come out {size[0]}x{size[1]}, the model "
                 f"takes {self.image_size[0]}x{self.image_size[1]}"
             )
+
+    def preprocess(self, image: Any) -> np.ndarray:
+        """One uint8 [H, W, 3] image -> the model's input, float32 [h, w, 3]."""
+        return self.preprocessing(image)
+
+    def encode_images(
+        self, images: Sequence[Any] | np.ndarray, batch_size: int | None = None
+    ) -> np.ndarray:
+        """uint8 images of any sizes (a list, or one [N, H, W, 3] array) -> L2-normalized
+        float32 [N, D], preprocessed as the checkpoint's image processor does."""
+        self._check_preprocessing()
         if isinstance(images, np.ndarray) and images.ndim != 4:
             raise ValueError(f"an image array must be [N, H, W, 3], got shape {images.shape}")
         if len(images) == 0:
-            return np.zeros((0, self.dim), np.float32)
+            return np.zeros((0, *self.image_embedding_shape), np.float32)
         batches = self._image_batches(images, self._rows(batch_size))
-        return _l2_normalize(self._run(self._image_fn, batches))
+        return _l2_normalize(self._run(self._image_fn, batches, self.image_embedding_shape))
 
     def tokenize(self, texts: Sequence[str]) -> dict[str, np.ndarray]:
         """Texts -> {"input_ids"[, "attention_mask"]} int32 [M, text_length], as the model
         expects them."""
+        if self._tokenize_fn is not None:
+            return {k: np.asarray(v, np.int32) for k, v in self._tokenize_fn(list(texts)).items()}
         encoded = self.tokenizer(
             list(texts),
             padding="max_length",
@@ -215,7 +238,7 @@ class Scorer:
             return_tensors="np",
         )
         out = {"input_ids": np.asarray(encoded["input_ids"], np.int32)}
-        if self.kind in SOFTMAX_KINDS and "attention_mask" in encoded:
+        if self.kind in MASKED_TEXT_KINDS and "attention_mask" in encoded:
             out["attention_mask"] = np.asarray(encoded["attention_mask"], np.int32)
         return out
 
@@ -243,8 +266,65 @@ class Scorer:
         arrays = [tokens["input_ids"]]
         if "attention_mask" in tokens:
             arrays.append(tokens["attention_mask"])
-        embeds = _l2_normalize(self._run(self._text_fn, _batches(arrays, self._rows(batch_size))))
+        batches = _batches(arrays, self._rows(batch_size))
+        embeds = _l2_normalize(self._run(self._text_fn, batches, (self.dim,)))
         return _l2_normalize(embeds.reshape(len(templates), len(texts), -1).mean(axis=0))
+
+    # ------------------------------------------------------------------ image-text matching
+
+    @property
+    def has_matching_head(self) -> bool:
+        """Whether the model scores a pair jointly (BLIP-2's image-text matching head)."""
+        return hasattr(self.module, "itm_logits")
+
+    def match_probabilities(
+        self,
+        images: Sequence[Any],
+        texts: Sequence[str],
+        image_rows: Sequence[int],
+        text_rows: Sequence[int],
+        batch_size: int | None = None,
+    ) -> np.ndarray:
+        """float32 [P]: the matching head's probability that text `text_rows[p]` describes image
+        `image_rows[p]` (softmax of its two logits, at "match").
+
+        Unlike the contrastive score, each pair takes a Q-Former pass of its own; each image's
+        encoder states are computed once, for a batch of images at a time, and every pair of
+        those images is scored against them (in fixed-size batches of pairs) before the next.
+        """
+        if not self.has_matching_head:
+            raise ValueError(f"a {self.kind} scorer has no image-text matching head")
+        image_rows, text_rows = np.asarray(image_rows, np.int64), np.asarray(text_rows, np.int64)
+        if image_rows.shape != text_rows.shape or image_rows.ndim != 1:
+            raise ValueError(f"image_rows {image_rows.shape} and text_rows {text_rows.shape}")
+        for name, rows, n in (
+            ("image_rows", image_rows, len(images)),
+            ("text_rows", text_rows, len(texts)),
+        ):
+            bad = (rows < 0) | (rows >= n)
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise ValueError(f"{name}[{i}] = {rows[i]} is outside [0, {n})")
+        self._check_preprocessing()
+        tokens = self.tokenize(list(texts))
+        ids = tokens["input_ids"]
+        mask = tokens.get("attention_mask", np.ones_like(ids))
+        rows = self._rows(batch_size)
+        out = np.zeros(len(image_rows), np.float32)
+        order = np.argsort(image_rows, kind="stable")
+        for start in range(0, len(images), rows):
+            stop = min(start + rows, len(images))
+            chosen = order[(image_rows[order] >= start) & (image_rows[order] < stop)]
+            if not len(chosen):
+                continue
+            _, (pixels,) = next(self._image_batches(images[start:stop], rows, first=start))
+            states = self._states_fn(self.variables, self._put(pixels))
+            pairs = [(image_rows[chosen] - start).astype(np.int32), ids[text_rows[chosen]]]
+            pairs.append(mask[text_rows[chosen]])
+            for offset, (valid, arrays) in zip(range(0, len(chosen), rows), _batches(pairs, rows)):
+                probs = self._match_fn(self.variables, states, *map(self._put, arrays))
+                out[chosen[offset : offset + valid]] = np.asarray(probs)[:valid]
+        return out
 
     # ------------------------------------------------------------------ plumbing
 
@@ -264,8 +344,9 @@ class Scorer:
         return self._tokenizer
 
     def _image_batches(
-        self, images: Sequence[Any], rows: int
+        self, images: Sequence[Any], rows: int, first: int = 0
     ) -> Iterator[tuple[int, list[np.ndarray]]]:
+        """(valid rows, [pixels]) per batch; `first` numbers the images in errors."""
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(self.num_workers)
         h, w = self.preprocessing.output_size
@@ -273,7 +354,7 @@ class Scorer:
             chunk = [images[i] for i in range(start, min(start + rows, len(images)))]
             pixels = np.zeros((rows, h, w, 3), np.float32)
             for i, image in enumerate(
-                self._pool.map(self._preprocess_nth, chunk, itertools.count(start))
+                self._pool.map(self._preprocess_nth, chunk, itertools.count(first + start))
             ):
                 pixels[i] = image
             yield len(chunk), [pixels]
@@ -290,9 +371,13 @@ class Scorer:
         return jax.device_put(x, self._batch_sharding)
 
     def _run(
-        self, fn: Callable[..., jax.Array], batches: Iterator[tuple[int, list[np.ndarray]]]
+        self,
+        fn: Callable[..., jax.Array],
+        batches: Iterator[tuple[int, list[np.ndarray]]],
+        row_shape: tuple[int, ...],
     ) -> np.ndarray:
-        """Runs `fn(variables, *batch)` over full batches, one in flight while the next is made."""
+        """Runs `fn(variables, *batch)` over full batches, one in flight while the next is made;
+        [0, *row_shape] when there are none."""
         done: list[np.ndarray] = []
         pending: collections.deque[tuple[int, jax.Array]] = collections.deque()
         for valid, arrays in batches:
@@ -302,7 +387,7 @@ class Scorer:
                 done.append(np.asarray(out)[:valid_before])
         done.extend(np.asarray(out)[:valid] for valid, out in pending)
         if not done:
-            return np.zeros((0, self.dim), np.float32)
+            return np.zeros((0, *row_shape), np.float32)
         return np.concatenate(done).astype(np.float32, copy=False)
 
 
@@ -321,6 +406,24 @@ def _text_features(
     attention_mask: jax.Array | None = None,
 ) -> jax.Array:
     return module.apply(variables, input_ids, attention_mask, method=module.text_features)
+
+
+def _vision_states(module: Any, variables: dict, pixels: jax.Array) -> jax.Array:
+    return module.apply(variables, pixels, method=module.vision_states)
+
+
+def _match_probability(
+    module: Any,
+    variables: dict,
+    states: jax.Array,
+    rows: jax.Array,
+    input_ids: jax.Array,
+    attention_mask: jax.Array,
+) -> jax.Array:
+    logits = module.apply(
+        variables, states[rows], input_ids, attention_mask, method=module.itm_logits
+    )
+    return jax.nn.softmax(logits, axis=-1)[:, 1]
 
 
 def _batches(arrays: list[np.ndarray], batch_size: int) -> Iterator[tuple[int, list[np.ndarray]]]:
@@ -348,43 +451,108 @@ def _identity(path: Path, dtype: Any, config_sha256: str | None, **extra: Any) -
     }
 
 
+# transformers model_type -> the loader of its directories (CLIP and SigLIP: `convert.load_hf`).
+_HF_LOADERS = {
+    convert_groupvit.MODEL_TYPE: convert_groupvit.groupvit_from_hf,
+    convert_blip2.MODEL_TYPE: convert_blip2.blip2_from_hf,
+}
+
+
 def from_hf(
     path: str | Path,
     dtype: Any = jnp.float32,
     mesh: Mesh | None = None,
     *,
+    logit_scale: float | None = None,
     batch_size: int = 32,
     num_workers: int | None = None,
 ) -> Scorer:
-    """A `Scorer` from a transformers CLIPModel / SiglipModel / GroupViTModel directory on disk.
+    """A `Scorer` from a checkpoint directory on disk: transformers CLIPModel / SiglipModel /
+    GroupViTModel / Blip2ForImageTextRetrieval, or a LiT directory (`convert_lit`).
 
-    The directory needs config.json and the weights (model.safetensors, its sharded index, or
-    pytorch_model.bin); preprocessor_config.json and the tokenizer files are optional (without
-    them the processor class's defaults apply and `encode_texts` raises, naming the files).
+    A transformers directory needs config.json and the weights (model.safetensors, its sharded
+    index, or pytorch_model.bin); preprocessor_config.json and the tokenizer files are optional
+    (without them the processor class's defaults apply and `encode_texts` raises, naming the
+    files). `logit_scale` is used where the checkpoint has none: transformers' BLIP-2 retrieval
+    checkpoints drop BLIP-2's learned temperature (`from_lavis` reads it from LAVIS's).
     """
     path = Path(path)
-    load = (
-        convert_groupvit.groupvit_from_hf
-        if convert.read_config(path).get("model_type") == convert_groupvit.MODEL_TYPE
-        else convert.load_hf
-    )
+    if convert_lit.is_lit_dir(path):
+        return _from_lit(path, dtype, mesh, batch_size=batch_size, num_workers=num_workers)
+    load = _HF_LOADERS.get(convert.read_config(path).get("model_type"), convert.load_hf)
     kind, module, variables, _ = load(path, dtype)
-    size = module.image.encoder.pos_grid[0] * module.image.encoder.patch_size
+    return _from_hf_parts(
+        path, kind, module, variables, dtype, mesh,
+        logit_scale=logit_scale, batch_size=batch_size, num_workers=num_workers,
+    )  # fmt: skip
+
+
+def _from_hf_parts(
+    path: Path, kind: str, module: Any, variables: dict, dtype: Any, mesh: Mesh | None, **kwargs
+) -> Scorer:
     return Scorer(
         kind,
         module,
         variables,
-        preprocess.load_preprocessing(path, kind, size),
+        preprocess.load_preprocessing(path, kind, module.image_size[0]),
         tokenizer_dir=path,
         identity=_identity(
             path,
             dtype,
             _sha256(path / convert.CONFIG_FILE),
             preprocessor_sha256=_sha256(path / preprocess.PREPROCESSOR_FILE),
+            **kwargs.pop("extra_identity", {}),
         ),
         mesh=mesh,
-        batch_size=batch_size,
-        num_workers=num_workers,
+        **kwargs,
+    )
+
+
+def from_lavis(
+    checkpoint: str | Path,
+    config_dir: str | Path,
+    dtype: Any = jnp.float32,
+    mesh: Mesh | None = None,
+    *,
+    batch_size: int = 32,
+    num_workers: int | None = None,
+) -> Scorer:
+    """A BLIP-2 `Scorer` from a LAVIS checkpoint (e.g. blip2_pretrained.pth), which keeps the
+    learned ITC temperature, with the architecture, tokenizer and image processor of a
+    transformers directory of the same model (e.g. Salesforce/blip2-itm-vit-g)."""
+    checkpoint, config_dir = Path(checkpoint), Path(config_dir)
+    module, variables, temp = convert_blip2.blip2_from_lavis(
+        checkpoint, convert.read_config(config_dir), dtype
+    )
+    return _from_hf_parts(
+        config_dir, convert_blip2.KIND, module, variables, dtype, mesh,
+        logit_scale=1.0 / temp, batch_size=batch_size, num_workers=num_workers,
+        extra_identity={"lavis_checkpoint": str(checkpoint.resolve()),
+                        "size_bytes": checkpoint.stat().st_size},
+    )  # fmt: skip
+
+
+def _from_lit(path: Path, dtype: Any, mesh: Mesh | None, **kwargs: Any) -> Scorer:
+    kind, module, variables, info = convert_lit.lit_from_dir(path, dtype)
+    tokenizer = info["tokenizer"]
+    return Scorer(
+        kind,
+        module,
+        variables,
+        info["preprocessing"],
+        tokenizer_dir=None,
+        tokenize_fn=lambda texts: {"input_ids": tokenizer.tokenize(texts)},
+        # As for open_clip files: the architecture read off the shapes and the file size stand in
+        # for hashing a gigabyte of weights on every start; the vocabulary is small and hashed.
+        identity=_identity(
+            info["weights"],
+            dtype,
+            hashlib.sha256(repr(module).encode()).hexdigest(),
+            size_bytes=info["weights"].stat().st_size,
+            tokenizer_sha256=_sha256(info["tokenizer_file"]),
+        ),
+        mesh=mesh,
+        **kwargs,
     )
 
 
@@ -410,12 +578,11 @@ def from_open_clip(
     module, variables = convert.clip_from_open_clip(
         model_convert.load_state_dict(checkpoint), activation=activation, dtype=dtype
     )
-    size = module.image.encoder.pos_grid[0] * module.image.encoder.patch_size
     return Scorer(
         "clip",
         module,
         variables,
-        preprocess.preprocessing_from_config({}, "clip", size),
+        preprocess.preprocessing_from_config({}, "clip", module.image_size[0]),
         tokenizer_dir=tokenizer_dir,
         # Without a config file, the architecture read off the shapes stands in for it (hashing
         # a multi-gigabyte checkpoint on every start would cost more than it protects).
