@@ -196,6 +196,11 @@ def _score_with_each(
         raise ValueError(
             f"--logit-scale {unknown[0]}: no scorer of that name (scorers: {', '.join(scorer_paths)})"
         )
+    matching = set(args.match or [])
+    for name in sorted(matching - set(scorer_paths)):
+        raise ValueError(
+            f"--match {name}: no scorer of that name (scorers: {', '.join(scorer_paths)})"
+        )
     scores = {}
     for name, path in scorer_paths.items():
         scorer = _load_scorer(factory, path)
@@ -204,11 +209,14 @@ def _score_with_each(
             entry["logit_scale"] = {"checkpoint": scorer.logit_scale, "given": scales[name]}
             scorer.logit_scale = scales[name]
         record["scorers"].append(entry)
-        print(f"scoring {len(pairs.image_ids)} pairs with {name} ({scorer.kind})")
-        cache = pathlib.Path(args.cache) / name if args.cache else None
+        head = "image-text matching" if name in matching else "contrastive"
+        entry["score"] = head
+        print(f"scoring {len(pairs.image_ids)} pairs with {name} ({scorer.kind}, {head})")
+        cache = pathlib.Path(args.cache) / name if args.cache and name not in matching else None
         scores[name] = oodbench.score_pairs(
-            pairs, scorer, args.templates, args.batch_size, not args.quiet, cache
-        )
+            pairs, scorer, args.templates, args.batch_size, not args.quiet, cache,
+            matching=name in matching,
+        )  # fmt: skip
     return scores
 
 
@@ -541,6 +549,14 @@ def _add_pair_scoring(p: argparse.ArgumentParser) -> None:
         help="score scorer NAME at this logit scale (1 / temperature) instead of its checkpoint's; "
         "needed for BLIP-2 retrieval checkpoints from transformers, which drop BLIP-2's learned "
         "temperature (the manifest records both)",
+    )
+    p.add_argument(
+        "--match",
+        action="append",
+        metavar="NAME",
+        help="score scorer NAME's pairs with its image-text matching head (BLIP-2's ITM: the "
+        "probability that the category text matches the image) instead of the contrastive "
+        "softmax; one Q-Former pass per pair, not cached",
     )
     p.add_argument(
         "--templates",

@@ -224,10 +224,17 @@ def score_pairs(
     batch_size: int = 256,
     progress: bool = True,
     cache_dir: str | pathlib.Path | None = None,
+    matching: bool = False,
 ) -> np.ndarray:
     """float32 [P]: S(x, c) of each pair under one scorer (the module docstring); image
-    features cached in `cache_dir` if given (see `foci.encode_image_files`)."""
+    features cached in `cache_dir` if given (see `foci.encode_image_files`). With `matching`,
+    S(x, c) is instead the scorer's image-text matching probability (`match_pairs`)."""
     from ood_jax.mining import foci
+
+    if matching:
+        if cache_dir is not None:
+            raise ValueError("matching scores are pairwise: there are no image features to cache")
+        return match_pairs(pairs, scorer, templates, batch_size, progress)
 
     if scorer.logit_scale is None:
         raise ValueError(
@@ -261,6 +268,43 @@ def score_pairs(
     raise ValueError(
         f"unknown scorer kind {scorer.kind!r}; expected one of {', '.join(scorers.KINDS)}"
     )
+
+
+def match_pairs(
+    pairs: Pairs,
+    scorer,
+    templates: Sequence[str] = DEFAULT_TEMPLATES,
+    batch_size: int = 256,
+    progress: bool = True,
+) -> np.ndarray:
+    """float32 [P]: each pair's image-text matching probability (BLIP-2's ITM head), averaged
+    over the templates. Images are read `batch_size` at a time and each is encoded once for all
+    its pairs; the matching head then runs once per pair and template."""
+    from tqdm import tqdm
+
+    from ood_jax.mining import foci
+
+    if not getattr(scorer, "has_matching_head", False):
+        raise ValueError(f"a {scorer.kind} scorer has no image-text matching head")
+    category_ids = list(pairs.category_names)
+    names = [category_text(pairs.category_names[c]) for c in category_ids]
+    texts = [template.format(name) for template in templates for name in names]
+    column = {category_id: k for k, category_id in enumerate(category_ids)}
+    pair_categories = np.array([column[c] for c in pairs.category_ids.tolist()], np.int64)
+    image_ids = sorted(pairs.image_files)
+    out = np.zeros(len(pair_categories), np.float64)
+    with tqdm(total=len(image_ids), desc="matching", unit="image", disable=not progress) as bar:
+        for start in range(0, len(image_ids), batch_size):
+            batch = image_ids[start : start + batch_size]
+            images = [foci.read_image(pairs.image_files[i]) for i in batch]
+            local = {image_id: k for k, image_id in enumerate(batch)}
+            chosen = np.flatnonzero(np.isin(pairs.image_ids, batch))
+            rows = np.array([local[i] for i in pairs.image_ids[chosen].tolist()], np.int64)
+            for t in range(len(templates)):
+                text_rows = t * len(names) + pair_categories[chosen]
+                out[chosen] += scorer.match_probabilities(images, texts, rows, text_rows)
+            bar.update(len(batch))
+    return (out / len(templates)).astype(np.float32)
 
 
 def split_records(

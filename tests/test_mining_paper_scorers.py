@@ -1,0 +1,177 @@
+"""OODBench's four scorers, real ones: `mine oodbench-ablation` over tiny random-weight CLIP, BLIP-2,
+GroupViT and LiT checkpoints loaded from disk by `ood_jax.scorers.from_hf`, against reference
+scores computed without this project's models (transformers' PyTorch models for CLIP, BLIP-2 and
+GroupViT, the numpy LiT forward of tests/test_lit.py) and a numpy reference of the paper's rule.
+
+Images are the models' own size (32 px), so every image processor only rescales and normalizes
+and the references can take transformers' processors' pixels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from PIL import Image
+from scipy import special
+from test_blip2 import every_layer as blip2_config
+from test_blip2 import save_bert_tokenizer
+from test_groupvit import save as save_groupvit
+from test_groupvit import three_stages as groupvit_config
+from test_mining_ablation import GROUPS, SERIES, _numpy_labels
+from test_scorers import IMAGE_SIZE, clip_config, perturbed, save_clip
+
+from ood_jax.mining import cli as mining_cli
+
+CATEGORIES = {1: "cat", 2: "dog", 3: "traffic_light", 4: "zebra", 5: "person", 6: "kite"}
+NAMES = {name: category_id for category_id, name in CATEGORIES.items()}
+TEMPLATE = "a photo of a {}."
+BLIP2_SCALE = 14.0  # transformers' BLIP-2 checkpoints carry no temperature: given by flag
+
+
+def _source(root, num_images: int = 14) -> list[tuple[int, int]]:
+    """A COCO tree of 32 px PNG images; returns the (image id, category id) pairs, in order."""
+    rng = np.random.default_rng(5)
+    (root / "images").mkdir(parents=True)
+    images, annotations, pairs = [], [], []
+    for image_id in range(1, num_images + 1):
+        pixels = rng.integers(0, 256, (IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(root / "images" / f"{image_id}.png")
+        images.append({"id": image_id, "file_name": f"{image_id}.png"})
+        for c in sorted(rng.choice(list(CATEGORIES), rng.integers(1, 4), replace=False).tolist()):
+            pairs.append((image_id, c))
+            annotations.append({"image_id": image_id, "category_id": c, "iscrowd": 0})
+    for i, a in enumerate(annotations):
+        a.update(id=i + 1, bbox=[1.0, 1.0, 4.0, 4.0])
+    categories = [{"id": k, "name": v} for k, v in CATEGORIES.items()]
+    data = {"images": images, "annotations": annotations, "categories": categories}
+    (root / "annotations.json").write_text(json.dumps(data))
+    return pairs
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("paper_scorers")
+    clip = save_clip(root / "clip", clip_config())
+    groupvit = save_groupvit(root / "groupvit", groupvit_config(), seed=3)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # GroupViT's text tower is CLIP's
+        shutil.copy(root / "clip" / name, root / "groupvit" / name)
+    blip2 = perturbed(transformers.Blip2ForImageTextRetrieval(blip2_config()), seed=4)
+    blip2.save_pretrained(root / "blip2")
+    save_bert_tokenizer(root / "blip2")
+    transformers.BlipImageProcessor(
+        size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    ).save_pretrained(root / "blip2")
+    return {
+        "clip": (root / "clip", clip),
+        "blip2": (root / "blip2", blip2),
+        "groupvit": (root / "groupvit", groupvit),
+    }
+
+
+def _inputs(path, texts, images, length):
+    processor = transformers.AutoImageProcessor.from_pretrained(path, local_files_only=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokens = tokenizer(
+        texts, padding="max_length", max_length=length, truncation=True, return_tensors="pt"
+    )
+    return processor(images=images, return_tensors="pt")["pixel_values"], tokens
+
+
+@torch.no_grad()
+def _reference_logits(name, path, model, images) -> np.ndarray:
+    """[images, categories] logits of the scorer's S(x, c), from the PyTorch model."""
+    texts = [TEMPLATE.format(c.replace("_", " ")) for c in CATEGORIES.values()]
+    if name == "blip2":
+        pixels, tokens = _inputs(path, texts, images, 24)
+        out = model(pixels, tokens["input_ids"], tokens["attention_mask"])
+        return BLIP2_SCALE * out.logits_per_image.numpy()
+    pixels, tokens = _inputs(path, texts, images, 16)
+    return model(pixel_values=pixels, **tokens).logits_per_image.numpy()
+
+
+def _threshold(scores: dict[str, np.ndarray]) -> float:
+    """A T in the widest gap between the middle scores, so that rounding cannot flip a pair."""
+    values = np.sort(np.concatenate(list(scores.values())))
+    middle = values[len(values) // 4 : 3 * len(values) // 4 + 1]
+    k = int(np.argmax(np.diff(middle)))
+    return float((middle[k] + middle[k + 1]) / 2)
+
+
+def test_ablation_with_four_real_scorers_matches_numpy(tmp_path, checkpoints, capsys) -> None:
+    pairs = _source(tmp_path / "coco")
+    image_ids = sorted({i for i, _ in pairs})
+    images = [np.asarray(Image.open(tmp_path / "coco" / "images" / f"{i}.png")) for i in image_ids]
+    rows = np.array([image_ids.index(i) for i, _ in pairs])
+    columns = np.array([list(CATEGORIES).index(c) for _, c in pairs])
+    want = {}
+    for name, (path, model) in checkpoints.items():
+        logits = _reference_logits(name, path, model, images)
+        want[name] = special.softmax(logits, axis=1)[rows, columns]
+    threshold = _threshold(want)
+
+    argv = ["--source", str(tmp_path / "coco"), "--out", str(tmp_path / "out")]
+    argv += ["--threshold", str(threshold), "--templates", TEMPLATE, "--quiet"]
+    argv += ["--logit-scale", f"blip2={BLIP2_SCALE}", "--batch-size", "4"]
+    for name in checkpoints:
+        argv += ["--scorer", f"{name}={checkpoints[name][0]}"]
+    members = [m for m in SERIES if m in checkpoints]
+    argv += ["--series", ",".join(members), "--group", f"II={','.join(GROUPS['II'])}"]
+    parser = argparse.ArgumentParser()
+    mining_cli.add_parsers(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["mine", "oodbench-ablation", *argv])
+    args.run(args)
+    capsys.readouterr()
+
+    divisions = {f"series-{k}": members[:k] for k in range(1, len(members) + 1)}
+    divisions["group-II"] = list(GROUPS["II"])
+    seen = set()
+    for division, scorers in divisions.items():
+        lines = (tmp_path / "out" / f"{division}.jsonl").read_text().splitlines()
+        records = {(r["image_id"], NAMES[r["category"]]): r for r in map(json.loads, lines)}
+        assert sorted(records) == sorted(pairs), division  # every pair kept: no downsampling
+        expected = _numpy_labels(want, scorers, threshold)
+        for k, pair in enumerate(pairs):
+            assert records[pair]["split"] == expected[k], (division, pair)
+            for name in scorers:
+                assert abs(records[pair]["scores"][name] - want[name][k]) < 1e-4, (division, name)
+        seen.update(expected)
+    assert len(seen) >= 2  # the threshold divides: the comparison is not of constants
+    manifest = json.loads((tmp_path / "out.manifest.json").read_text())
+    blip2 = next(s for s in manifest["scorers"] if s["name"] == "blip2")
+    assert blip2["kind"] == "blip2" and blip2["logit_scale"] == {
+        "checkpoint": None,
+        "given": BLIP2_SCALE,
+    }
+
+
+@torch.no_grad()
+def test_blip2_matching_head_scores_pairs(tmp_path, checkpoints, capsys) -> None:
+    # --match: S(x, c) is the ITM probability of each pair, averaged over the templates.
+    pairs = _source(tmp_path / "coco", num_images=5)
+    path, model = checkpoints["blip2"]
+    templates = ["a photo of a {}.", "{}"]
+    argv = ["mine", "oodbench", "--source", str(tmp_path / "coco"), "--scorer", str(path)]
+    argv += ["--match", "blip2", "--templates", *templates, "--quiet", "--batch-size", "2"]
+    argv += ["--out", str(tmp_path / "splits.jsonl"), "--max-per-split", "0"]
+    parser = argparse.ArgumentParser()
+    mining_cli.add_parsers(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    args.run(args)
+    capsys.readouterr()
+    lines = (tmp_path / "splits.jsonl").read_text().splitlines()
+    got = {
+        (r["image_id"], NAMES[r["category"]]): r["scores"]["blip2"] for r in map(json.loads, lines)
+    }
+    for image_id, category in pairs:
+        image = np.asarray(Image.open(tmp_path / "coco" / "images" / f"{image_id}.png"))
+        name = CATEGORIES[category].replace("_", " ")
+        pixels, tokens = _inputs(path, [t.format(name) for t in templates], [image] * 2, 24)
+        out = model(pixels, **tokens, use_image_text_matching_head=True)
+        want = torch.softmax(out.logits_per_image, dim=-1)[:, 1].mean().item()
+        assert abs(got[image_id, category] - want) < 1e-4
