@@ -319,7 +319,7 @@ def test_default_template_and_bad_scorer_kind(tmp_path):
     )
     assert clip.templates == oodbench.DEFAULT_TEMPLATES
     assert (tmp_path / "s.jsonl").is_file() and not (root / "splits.jsonl").exists()
-    with pytest.raises(SystemExit, match=r"scorer kind 'blip2'"):
-        _run(["--source", str(root), "--scorer", "x"], {"x": FakeScorer("blip2", "a", 1.0, None)})
+    with pytest.raises(SystemExit, match=r"scorer kind 'flamingo'"):
+        _run(["--source", str(root), "--scorer", "x"], {"x": FakeScorer("flamingo", "a", 1.0, None)})
     with pytest.raises(SystemExit, match=r"annotations\.json: file not found"):
         _run(["--source", str(tmp_path), "--scorer", "clip"], {"clip": clip})
