@@ -16,6 +16,7 @@ does:
     antialiased kernels, which follow Pillow's: the width pass, rounded to uint8, then the height
     pass. Results agree to within one uint8 level (fixed-point rounding);
   * center crop to crop_size, zero-padding first where the image is smaller (as torchvision);
+  * or, with resample "tf_bilinear", big_vision's resize (LiT): `tf_bilinear_resize`;
   * rescale and normalize fused as transformers does: (x - mean / r) / (std / r) in float32.
 Pillow releases the GIL while resampling, so a thread pool preprocesses images in parallel.
 """
@@ -36,6 +37,9 @@ IMAGENET_STANDARD_MEAN = (0.5, 0.5, 0.5)
 IMAGENET_STANDARD_STD = (0.5, 0.5, 0.5)
 BICUBIC = 3  # PIL.Image.Resampling.BICUBIC, the code preprocessor configs store
 RESAMPLE_CODES = {int(r) for r in Image.Resampling}
+# big_vision's `resize` op (LiT's evaluation): tf.image.resize's bilinear with half-pixel
+# centres and no antialiasing, clipped and cast back to uint8 (truncating), not a Pillow filter.
+TF_BILINEAR = "tf_bilinear"
 
 
 def _defaults(kind: str, image_size: int) -> dict[str, Any]:
@@ -81,7 +85,7 @@ class ImagePreprocessing:
     Attributes:
       shortest_edge: resize the shorter side to this (exclusive with `resize_to`).
       resize_to: (height, width) to resize to.
-      resample: Pillow filter code (2 bilinear, 3 bicubic, ...).
+      resample: Pillow filter code (2 bilinear, 3 bicubic, ...), or `TF_BILINEAR`.
       crop: (height, width) of the center crop, or None.
       rescale_factor: multiplies pixel values (1/255), or None.
       mean, std: per-channel normalization (in rescaled units), or None.
@@ -89,7 +93,7 @@ class ImagePreprocessing:
 
     shortest_edge: int | None = None
     resize_to: tuple[int, int] | None = None
-    resample: int = BICUBIC
+    resample: int | str = BICUBIC
     crop: tuple[int, int] | None = None
     rescale_factor: float | None = 1 / 255
     mean: tuple[float, ...] | None = None
@@ -112,6 +116,10 @@ class ImagePreprocessing:
 
     def resize(self, image: np.ndarray) -> np.ndarray:
         height, width = self.resized_size(*image.shape[:2])
+        if self.resample == TF_BILINEAR:
+            if (height, width) == image.shape[:2]:
+                return image
+            return tf_bilinear_resize(image, height, width)
         # Two separable passes, width first, each rounded to uint8 as torch's kernel does; a
         # single Pillow call may pick the other order, which moves overshooting pixels by up to
         # ~20 levels on noisy images.
@@ -151,6 +159,30 @@ class ImagePreprocessing:
 
     def __call__(self, image: np.ndarray) -> np.ndarray:
         return self.normalize(self.center_crop(self.resize(as_rgb_uint8(image))))
+
+
+def _bilinear_taps(out: int, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """TensorFlow's bilinear source taps along one axis (half-pixel centres, float32)."""
+    src = (np.arange(out, dtype=np.float32) + np.float32(0.5)) * np.float32(size / out)
+    src -= np.float32(0.5)
+    floor = np.floor(src)
+    lower = np.maximum(floor, 0).astype(np.int64)
+    upper = np.minimum(np.ceil(src), size - 1).astype(np.int64)
+    return lower, upper, (src - floor).astype(np.float32)
+
+
+def tf_bilinear_resize(image: np.ndarray, height: int, width: int) -> np.ndarray:
+    """uint8 [H, W, C] -> uint8 [height, width, C] as big_vision's `resize` op: TensorFlow's
+    `resize_bilinear` (half-pixel centres, no antialiasing), in its order of operations, then
+    truncated to uint8. Equal to `tf.cast(tf.image.resize(image, (height, width)), tf.uint8)`."""
+    y0, y1, ly = _bilinear_taps(height, image.shape[0])
+    x0, x1, lx = _bilinear_taps(width, image.shape[1])
+    x = image.astype(np.float32)
+    lx = lx[None, :, None]
+    top = x[y0][:, x0] + (x[y0][:, x1] - x[y0][:, x0]) * lx
+    bottom = x[y1][:, x0] + (x[y1][:, x1] - x[y1][:, x0]) * lx
+    out = top + (bottom - top) * ly[:, None, None]
+    return np.clip(out, 0, 255).astype(np.uint8)
 
 
 def as_rgb_uint8(image: Any) -> np.ndarray:
@@ -205,10 +237,10 @@ def preprocessing_from_config(
         if "height" not in crop_size:
             raise ValueError(f"{PREPROCESSOR_FILE}: crop_size needs height and width")
         crop = (crop_size["height"], crop_size["width"])
-    if c["resample"] not in RESAMPLE_CODES:
+    if c["resample"] not in (*RESAMPLE_CODES, TF_BILINEAR):
         raise ValueError(
             f"{PREPROCESSOR_FILE}: resample={c['resample']!r}; expected a Pillow filter code "
-            f"{sorted(RESAMPLE_CODES)}"
+            f"{sorted(RESAMPLE_CODES)} or {TF_BILINEAR!r}"
         )
     mean = std = None
     if c["do_normalize"]:
@@ -216,7 +248,7 @@ def preprocessing_from_config(
     return ImagePreprocessing(
         shortest_edge=shortest_edge,
         resize_to=resize_to,
-        resample=int(c["resample"]),
+        resample=c["resample"] if c["resample"] == TF_BILINEAR else int(c["resample"]),
         crop=crop,
         rescale_factor=float(c["rescale_factor"]) if c["do_rescale"] else None,
         mean=mean,
