@@ -10,6 +10,7 @@ and the references can take transformers' processors' pixels.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import shutil
 
@@ -20,7 +21,7 @@ import transformers
 from PIL import Image
 from scipy import special
 from test_blip2 import every_layer as blip2_config
-from test_blip2 import save_bert_tokenizer
+from test_blip2 import lavis_state_dict, save_bert_tokenizer
 from test_groupvit import save as save_groupvit
 from test_groupvit import three_stages as groupvit_config
 from test_mining_ablation import GROUPS, SERIES, _numpy_labels
@@ -175,3 +176,38 @@ def test_blip2_matching_head_scores_pairs(tmp_path, checkpoints, capsys) -> None
         out = model(pixels, **tokens, use_image_text_matching_head=True)
         want = torch.softmax(out.logits_per_image, dim=-1)[:, 1].mean().item()
         assert abs(got[image_id, category] - want) < 1e-4
+
+
+@torch.no_grad()
+def test_blip2_from_a_lavis_checkpoint_with_its_temperature(tmp_path, checkpoints, capsys) -> None:
+    # --lavis: weights and the learned temperature (0.07 here) from LAVIS; LAVIS' attention has
+    # no key bias, so the reference is the transformers model with that bias zeroed.
+    pairs = _source(tmp_path / "coco", num_images=6)
+    path, model = checkpoints["blip2"]
+    lavis = {k: torch.as_tensor(v) for k, v in lavis_state_dict(model).items()}
+    torch.save({"model": lavis}, tmp_path / "blip2_pretrained.pth")
+    argv = ["mine", "oodbench", "--source", str(tmp_path / "coco"), "--scorer", str(path)]
+    argv += ["--lavis", f"blip2={tmp_path / 'blip2_pretrained.pth'}", "--quiet"]
+    argv += ["--templates", TEMPLATE, "--out", str(tmp_path / "splits.jsonl")]
+    parser = argparse.ArgumentParser()
+    mining_cli.add_parsers(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    args.run(args)
+    capsys.readouterr()
+
+    reference = copy.deepcopy(model)
+    for layer in reference.vision_model.encoder.layers:
+        bias = layer.self_attn.qkv.bias
+        third = len(bias) // 3
+        bias[third : 2 * third] = 0
+    image_ids = sorted({i for i, _ in pairs})
+    images = [np.asarray(Image.open(tmp_path / "coco" / "images" / f"{i}.png")) for i in image_ids]
+    logits = _reference_logits("blip2", path, reference, images) / BLIP2_SCALE / 0.07
+    probs = special.softmax(logits, axis=1)
+    lines = (tmp_path / "splits.jsonl").read_text().splitlines()
+    for record in map(json.loads, lines):
+        want = probs[image_ids.index(record["image_id"]), list(NAMES).index(record["category"])]
+        assert abs(record["scores"]["blip2"] - want) < 1e-4
+    manifest = json.loads((tmp_path / "splits.manifest.json").read_text())
+    (entry,) = manifest["scorers"]
+    assert entry["lavis_checkpoint"]["path"].endswith("blip2_pretrained.pth")

@@ -32,6 +32,12 @@ def _from_hf(path: str):
     return scorers.from_hf(path)
 
 
+def _from_lavis(checkpoint: str, config_dir: str):
+    from ood_jax import scorers
+
+    return scorers.from_lavis(checkpoint, config_dir)
+
+
 def _load_scorer(factory: ScorerFactory | None, path: str):
     from ood_jax import scorers
 
@@ -102,12 +108,14 @@ FOCI_EXAMPLE = (
 )
 OODBENCH_EXAMPLE = (
     "ood-jax mine oodbench --source data/coco --scorer models/clip-vit-l14 \\\n"
-    "      --scorer models/siglip-so400m --out data/coco/splits.jsonl"
+    "      --scorer models/blip2-itm-vit-g --lavis blip2-itm-vit-g=models/blip2_pretrained.pth \\\n"
+    "      --out data/coco/splits.jsonl"
 )
 ABLATION_EXAMPLE = (
     "ood-jax mine oodbench-ablation --source data/coco --scorer clip=models/clip-vit-l14 \\\n"
-    "      --scorer blip2=models/blip2-itm --scorer groupvit=models/groupvit-gcc-yfcc \\\n"
-    "      --scorer lit=models/lit-b16b --group I=clip,blip2 --group II=blip2,groupvit \\\n"
+    "      --scorer blip2=models/blip2-itm-vit-g --lavis blip2=models/blip2_pretrained.pth \\\n"
+    "      --scorer groupvit=models/groupvit-gcc-yfcc --scorer lit=models/lit-b16b \\\n"
+    "      --group I=clip,blip2 --group II=blip2,groupvit \\\n"
     "      --group III=groupvit,lit --series clip,blip2,groupvit,lit --out work/coco_ablation"
 )
 OODG_EXAMPLE = (
@@ -201,10 +209,23 @@ def _score_with_each(
         raise ValueError(
             f"--match {name}: no scorer of that name (scorers: {', '.join(scorer_paths)})"
         )
+    lavis = _unique("--lavis", args.lavis or [])
+    unknown = sorted(set(lavis) - set(scorer_paths))
+    if unknown:
+        raise ValueError(
+            f"--lavis {unknown[0]}: no scorer of that name ({', '.join(scorer_paths)})"
+        )
     scores = {}
     for name, path in scorer_paths.items():
-        scorer = _load_scorer(factory, path)
+        scorer = (
+            _load_scorer(factory, path) if name not in lavis else _from_lavis(lavis[name], path)
+        )
         entry = {"name": name, **_scorer_manifest(path, scorer)}
+        if name in lavis:
+            entry["lavis_checkpoint"] = {
+                "path": lavis[name],
+                "weights": manifest.weights_digest(lavis[name]),
+            }
         if name in scales:
             entry["logit_scale"] = {"checkpoint": scorer.logit_scale, "given": scales[name]}
             scorer.logit_scale = scales[name]
@@ -549,6 +570,15 @@ def _add_pair_scoring(p: argparse.ArgumentParser) -> None:
         help="score scorer NAME at this logit scale (1 / temperature) instead of its checkpoint's; "
         "needed for BLIP-2 retrieval checkpoints from transformers, which drop BLIP-2's learned "
         "temperature (the manifest records both)",
+    )
+    p.add_argument(
+        "--lavis",
+        action="append",
+        type=_named,
+        metavar="NAME=FILE",
+        help="load BLIP-2 scorer NAME's weights and learned temperature from this LAVIS checkpoint "
+        "(blip2_pretrained.pth); its --scorer directory (Salesforce/blip2-itm-vit-g) supplies the "
+        "architecture, tokenizer and image processor",
     )
     p.add_argument(
         "--match",
