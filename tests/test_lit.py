@@ -1,31 +1,48 @@
 """LiT `.npz` checkpoints through `convert_lit`, against a numpy forward of the published model.
 
-Two tiny random-weight models are written in the published key layouts (`convert_lit` docstring):
+Three tiny random-weight models are written in the published key layouts (`convert_lit`
+docstring):
   * "l16s": vit_jax's, as the LiT-L16S / L16Ti files: the tree at the root, pre-Linen submodule
     numbering, the image position embedding in `Transformer/posembed_input` with the class
     token's row first, no image head;
   * "b16b": big_vision's: the tree under "params/" next to optimizer state, Linen numbering,
     scanned (depth-stacked) encoder blocks, an image position embedding without a class-token row,
-    an image head and a bfloat16 tensor stored as 2-byte void.
+    an image head and a bfloat16 tensor stored as 2-byte void;
+  * "b16b_bert": vit_jax's, as the LiT-B16B file: "l16s"'s image layout plus an image head, and
+    a BERT text tower in flaxformer's layout (2-D kernels, heads flattened), with a WordPiece
+    vocabulary.
 The reference forward (`lit_reference`) follows big_vision's vit.py, text_transformer.py and
-two_towers.py step by step in float64 numpy, on the parameter tree as each codebase defines it.
-The tokenizer is checked on a sentencepiece model trained here against big_vision's
-`tokenize(eos="sticky", pad_value=eos)` rule.
+two_towers.py, and flaxformer's bert.py for BERT, step by step in float64 numpy, on the parameter
+tree as each codebase defines it. The BERT tower is also checked against transformers'
+`BertModel`, its weights copied into flaxformer's layout. The sentencepiece tokenizer is checked
+on a model trained here against big_vision's `tokenize(eos="sticky", pad_value=eos)` rule, the
+WordPiece one against tensorflow_text's `BertTokenizer` rule written out here.
 """
 
 import functools
 import math
+import re
+import unicodedata
 
 import jax
 import numpy as np
 import pytest
 import sentencepiece
 
-from ood_jax.scorers import convert_lit
+from ood_jax.scorers import bert, convert_lit, preprocess
 
 ATOL = 1e-5
 TEXT_LEN = 16
 SPM_VOCAB = 40
+BERT_EPS = 1e-12  # flaxformer's BertBaseConfig / BertLargeConfig
+# A WordPiece vocabulary covering most of TEXTS; BERT's special tokens first, "[PAD]" id 0.
+WORDPIECES = [
+    "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "photo", "of", "the", "cat", "dog",
+    "quick", "brown", "fox", "jump", "##s", "over", "la", "##zy", "gas", "station", "bad",
+    "color", "##ful", "house", "it", "##ap", "cd", "play", "##er", "draw", "##ing", "small",
+    "red", "car", "an", "or", "##iga", "##mi", "crane", "on", "table", ".", ",", "!", "[", "]",
+    "cl", "cafe", "fish", "strasse",
+]  # fmt: skip
 
 ARCHS = {
     "l16s": {
@@ -38,15 +55,23 @@ ARCHS = {
         "text": dict(vocab=64, width=40, depth=3, heads=2, mlp=80, out=20),
         "layout": "big_vision",
     },
+    "b16b_bert": {
+        "image": dict(width=32, depth=1, heads=4, mlp=48, patch=16, size=32, head=20),
+        # BERT's heads are 64 wide; 24 position embeddings, more than the 16 tokens (as 512).
+        "text": dict(vocab=64, width=128, depth=2, heads=2, mlp=96, positions=24, out=20),
+        "layout": "vit_jax",
+        "bert": True,
+    },
 }
+SPM_ARCHS = [name for name, arch in ARCHS.items() if not arch.get("bert")]
 
 # --------------------------------------------------------------------------- checkpoints
 
 
-def _dense(rng, shape, out_dims=1) -> dict:
+def _dense(rng, shape, out_dims=1, std=0.2) -> dict:
     """kernel `shape`, bias over its last `out_dims` axes (flax DenseGeneral)."""
     bias = rng.normal(0, 0.1, shape[-out_dims:])
-    return {"kernel": rng.normal(0, 0.2, shape), "bias": bias}
+    return {"kernel": rng.normal(0, std, shape), "bias": bias}
 
 
 def _norm(rng, d) -> dict:
@@ -63,6 +88,36 @@ def _block(rng, d, heads, mlp) -> dict:
         "MultiHeadDotProductAttention_0": attn,
         "LayerNorm_1": _norm(rng, d),
         "MlpBlock_0": {"Dense_0": _dense(rng, (d, mlp)), "Dense_1": _dense(rng, (mlp, d))},
+    }
+
+
+def bert_tree(rng, tx: dict) -> dict:
+    """Random flaxformer `BertEncoder` parameters as stored: 2-D kernels, heads flattened."""
+    w, f = tx["width"], tx["mlp"]
+    dense = functools.partial(_dense, rng, std=0.1)
+
+    def layer() -> dict:
+        attention = {n: dense((w, w)) for n in ("query", "key", "value")}
+        return {
+            "attention_block": {
+                "attention_layer": attention,
+                "dense_layer": dense((w, w)),
+                "layer_norm": _norm(rng, w),
+            },
+            "mlp_block": {
+                "mlp": {"dense_layer": dense((w, f))},
+                "dense_layer": dense((f, w)),
+                "layer_norm": _norm(rng, w),
+            },
+        }
+
+    tables = {"token_ids": tx["vocab"], "position_ids": tx["positions"], "segment_ids": 2}
+    return {
+        "embedder": {
+            f"embedders_{k}": {"embedding": rng.normal(0, 0.5, (n, w))} for k, n in tables.items()
+        },
+        "layer_norm": _norm(rng, w),
+        "encoder_block": {"layer_sequence": {f"layers_{i}": layer() for i in range(tx["depth"])}},
     }
 
 
@@ -83,13 +138,16 @@ def lit_tree(arch: dict, seed: int) -> dict:
     if im["head"]:
         img["head"] = _dense(rng, (d, im["head"]))
     w = tx["width"]
-    txt = {
-        "Embed_0": {"embedding": rng.normal(0, 0.5, (tx["vocab"], w))},
-        "pos_embedding": rng.normal(0, 0.5, (1, TEXT_LEN, w)),
-        "blocks": [_block(rng, w, tx["heads"], tx["mlp"]) for _ in range(tx["depth"])],
-        "encoder_norm": _norm(rng, w),
-        "head": _dense(rng, (w, tx["out"])),
-    }
+    if arch.get("bert"):
+        txt = {"BertEncoder_0": bert_tree(rng, tx), "head": _dense(rng, (w, tx["out"]), std=0.1)}
+    else:
+        txt = {
+            "Embed_0": {"embedding": rng.normal(0, 0.5, (tx["vocab"], w))},
+            "pos_embedding": rng.normal(0, 0.5, (1, TEXT_LEN, w)),
+            "blocks": [_block(rng, w, tx["heads"], tx["mlp"]) for _ in range(tx["depth"])],
+            "encoder_norm": _norm(rng, w),
+            "head": _dense(rng, (w, tx["out"])),
+        }
     return {"img": img, "txt": txt, "t": np.array([rng.normal(1.5, 0.3)])}
 
 
@@ -120,9 +178,17 @@ def _blocks(blocks: list, layout: str) -> dict:
     return {"encoderblock": jax.tree.map(lambda *a: np.stack(a), *blocks)}
 
 
+def _published_text(txt: dict, layout: str) -> dict:
+    if "BertEncoder_0" in txt:  # stored as flaxformer defines it
+        return txt
+    encoder = {**_blocks(txt["blocks"], layout), "encoder_norm": txt["encoder_norm"]}
+    text = {"Embed_0": txt["Embed_0"], "pos_embedding": txt["pos_embedding"], "head": txt["head"]}
+    return {**text, "Encoder_0": encoder}
+
+
 def published(tree: dict, layout: str) -> dict[str, np.ndarray]:
     """`lit_tree` as the npz keys and arrays of a checkpoint in `layout`."""
-    img, txt = tree["img"], tree["txt"]
+    img = tree["img"]
     transformer = {**_blocks(img["blocks"], layout), "encoder_norm": img["encoder_norm"]}
     image = {k: img[k] for k in ("embedding", "cls") if k in img}
     image |= {"head": img["head"]} if "head" in img else {}
@@ -130,9 +196,10 @@ def published(tree: dict, layout: str) -> dict[str, np.ndarray]:
         transformer["posembed_input"] = {"pos_embedding": img["pos_embedding"]}
     else:
         image["pos_embedding"] = img["pos_embedding"]
-    encoder = {**_blocks(txt["blocks"], layout), "encoder_norm": txt["encoder_norm"]}
-    text = {"Embed_0": txt["Embed_0"], "pos_embedding": txt["pos_embedding"], "head": txt["head"]}
-    params = {"img": {**image, "Transformer": transformer}, "txt": {**text, "Encoder_0": encoder}}
+    params = {
+        "img": {**image, "Transformer": transformer},
+        "txt": _published_text(tree["txt"], layout),
+    }
     flat = _flatten({**params, "t": tree["t"]})
     if layout == "vit_jax":
         return flat
@@ -155,7 +222,7 @@ def bf16_rounded(tree: dict, layout: str) -> dict:
 # --------------------------------------------------------------------------- reference
 
 
-def layer_norm(x, p, eps=1e-6):
+def layer_norm(x, p, eps=1e-6):  # flax's default epsilon
     mu = x.mean(-1, keepdims=True)
     var = ((x - mu) ** 2).mean(-1, keepdims=True)
     return (x - mu) / np.sqrt(var + eps) * p["scale"] + p["bias"]
@@ -169,15 +236,20 @@ def dense(x, p):
     return x @ p["kernel"] + p["bias"]
 
 
+def attend(q, k, v, bias=0.0):
+    """[B, L, H, d] queries, keys and values (+ a [B, 1, L, L] logit bias) -> [B, L, H, d]."""
+    logits = np.einsum("bqhk,bshk->bhqs", q / math.sqrt(q.shape[-1]), k) + bias
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    return np.einsum("bhqs,bshk->bqhk", w, v)
+
+
 def self_attention(x, p):
     q, k, v = (
         np.einsum("bld,dhk->blhk", x, p[n]["kernel"]) + p[n]["bias"]
         for n in ("query", "key", "value")
     )
-    logits = np.einsum("bqhk,bshk->bhqs", q / math.sqrt(q.shape[-1]), k)
-    w = np.exp(logits - logits.max(-1, keepdims=True))
-    w /= w.sum(-1, keepdims=True)
-    o = np.einsum("bhqs,bshk->bqhk", w, v)
+    o = attend(q, k, v)
     return np.einsum("bqhk,hkd->bqd", o, p["out"]["kernel"]) + p["out"]["bias"]
 
 
@@ -206,16 +278,44 @@ def image_reference(img, images, patch, layout):
     return dense(x, img["head"]) if "head" in img else x
 
 
-def text_reference(txt, ids):
-    x = txt["Embed_0"]["embedding"][ids] + txt["pos_embedding"]
-    x = encoder(x, txt["blocks"], txt["encoder_norm"])[:, -1]  # "last" pooling
+def bert_reference(bert_params, ids, heads):
+    """flaxformer's BertEncoder at inference: [B, L, D] last-layer states."""
+    e = bert_params["embedder"]
+    b, length = ids.shape
+    x = e["embedders_token_ids"]["embedding"][ids]
+    x = x + e["embedders_position_ids"]["embedding"][:length]
+    x = x + e["embedders_segment_ids"]["embedding"][0]  # segment_ids = zeros
+    x = layer_norm(x, bert_params["layer_norm"], BERT_EPS)
+    # input_mask = tokens != 0; make_attention_mask(input_mask, input_mask); masked: -1e10.
+    valid = ids != 0
+    bias = np.where(valid[:, None, :, None] & valid[:, None, None, :], 0.0, -1e10)
+    layers = bert_params["encoder_block"]["layer_sequence"]
+    for i in range(len(layers)):
+        a, m = layers[f"layers_{i}"]["attention_block"], layers[f"layers_{i}"]["mlp_block"]
+        q, k, v = (
+            dense(x, a["attention_layer"][n]).reshape(b, length, heads, -1)
+            for n in ("query", "key", "value")
+        )
+        o = attend(q, k, v, bias).reshape(b, length, -1)
+        x = layer_norm(x + dense(o, a["dense_layer"]), a["layer_norm"], BERT_EPS)
+        y = dense(gelu(dense(x, m["mlp"]["dense_layer"])), m["dense_layer"])
+        x = layer_norm(x + y, m["layer_norm"], BERT_EPS)
+    return x
+
+
+def text_reference(txt, ids, arch):
+    if arch.get("bert"):  # vit_jax's models_lit.BertModel: the [CLS] state, then the head
+        x = bert_reference(txt["BertEncoder_0"], ids, arch["text"]["heads"])[:, 0]
+    else:
+        x = txt["Embed_0"]["embedding"][ids] + txt["pos_embedding"]
+        x = encoder(x, txt["blocks"], txt["encoder_norm"])[:, -1]  # "last" pooling
     return dense(x, txt["head"])
 
 
 def lit_reference(tree, images, ids, arch) -> dict:
     """two_towers.Model: the towers' outputs, normalized as big_vision does, and the logits."""
     zimg = image_reference(tree["img"], images, arch["image"]["patch"], arch["layout"])
-    ztxt = text_reference(tree["txt"], ids)
+    ztxt = text_reference(tree["txt"], ids, arch)
     nimg = zimg / (np.linalg.norm(zimg, axis=1, keepdims=True) + 1e-8)
     ntxt = ztxt / (np.linalg.norm(ztxt, axis=1, keepdims=True) + 1e-8)
     return {
@@ -262,11 +362,27 @@ def spm_model(tmp_path_factory):
     return root / "lit.model"
 
 
-def write_dir(path, arrays: dict, spm_model=None, name="LiT-tiny"):
+# Texts for the WordPiece tokenizer: cased, accented, unknown words, punctuation, an empty one,
+# one cut at TEXT_LEN - 1 pieces and a special token's name, which is plain text to it.
+BERT_TEXTS = [
+    *TEXTS,
+    "A Photo of a CAT!",
+    "Café, a photo of a dog.",
+    "a photo of a zebra",
+    "",
+    "a photo of a cat, a photo of a dog, a photo of a fox",
+    "a [CLS] cat",
+]
+
+
+def write_dir(path, arrays: dict, spm_model=None, name="LiT-tiny", vocab=None):
+    """A LiT directory: the npz, and a sentencepiece model and/or WordPiece vocabulary."""
     path.mkdir(parents=True, exist_ok=True)
     np.savez(path / f"{name}.npz", **arrays)
     if spm_model is not None:
         (path / f"{name}.model").write_bytes(spm_model.read_bytes())
+    if vocab is not None:
+        (path / f"{name}.txt").write_text("\n".join(vocab) + "\n")
     return path
 
 
@@ -276,7 +392,8 @@ def checkpoints(tmp_path_factory, spm_model) -> dict:
     out = {}
     for seed, (name, arch) in enumerate(ARCHS.items()):
         tree = lit_tree(arch, seed)
-        path = write_dir(root / name, published(tree, arch["layout"]), spm_model)
+        vocabulary = {"vocab": WORDPIECES} if arch.get("bert") else {"spm_model": spm_model}
+        path = write_dir(root / name, published(tree, arch["layout"]), **vocabulary)
         out[name] = (path, bf16_rounded(tree, arch["layout"]))
     return out
 
@@ -285,38 +402,20 @@ def max_diff(a, b) -> float:
     return float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max())
 
 
-# --------------------------------------------------------------------------- tests
-
-
-@pytest.mark.parametrize("name", list(ARCHS))
-def test_matches_the_reference_forward(name, checkpoints) -> None:
-    path, tree = checkpoints[name]
-    arch = ARCHS[name]
-    kind, module, variables, info = convert_lit.lit_from_dir(path)
-    assert kind == convert_lit.KIND == "lit"
-    assert convert_lit.is_lit_dir(path)
-    im, tx = arch["image"], arch["text"]
-    enc, text = module.image.encoder, module.text
+def _image_tower_matches(module, arch) -> None:
+    enc, im = module.image.encoder, arch["image"]
     assert (enc.width, enc.depth, enc.num_heads, enc.mlp_dim) == (
         im["width"],
         im["depth"],
         im["heads"],
         im["mlp"],
     )
-    assert (text.width, text.depth, text.num_heads, text.mlp_dim, text.vocab_size) == (
-        tx["width"],
-        tx["depth"],
-        tx["heads"],
-        tx["mlp"],
-        tx["vocab"],
-    )
-    assert (text.mask, text.pool, text.max_len) == ("bidirectional", "last", TEXT_LEN)
-    assert info["image_head"] == bool(im["head"]) and info["embed_dim"] == tx["out"]
-    assert info["image_size"] == im["size"] and info["text_len"] == TEXT_LEN
 
-    rng = np.random.default_rng(3)
-    pixels = rng.uniform(-1, 1, size=(3, im["size"], im["size"], 3)).astype(np.float32)
-    ids = info["tokenizer"].tokenize(TEXTS[:5])
+
+def _forward_matches(module, variables, tree, arch, ids) -> None:
+    """The converted model against `lit_reference` on random pixels and `ids`."""
+    size = arch["image"]["size"]
+    pixels = np.random.default_rng(3).uniform(-1, 1, size=(3, size, size, 3)).astype(np.float32)
     expected = lit_reference(tree, pixels.astype(np.float64), ids, arch)
 
     out = jax.jit(module.apply)(variables, pixels, ids)
@@ -330,12 +429,159 @@ def test_matches_the_reference_forward(name, checkpoints) -> None:
         assert max_diff(got[key], value) < ATOL, (key, max_diff(got[key], value))
 
 
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("name", SPM_ARCHS)
+def test_matches_the_reference_forward(name, checkpoints) -> None:
+    path, tree = checkpoints[name]
+    arch = ARCHS[name]
+    kind, module, variables, info = convert_lit.lit_from_dir(path)
+    assert kind == convert_lit.KIND == "lit"
+    assert convert_lit.is_lit_dir(path)
+    im, tx = arch["image"], arch["text"]
+    _image_tower_matches(module, arch)
+    text = module.text
+    assert (text.width, text.depth, text.num_heads, text.mlp_dim, text.vocab_size) == (
+        tx["width"],
+        tx["depth"],
+        tx["heads"],
+        tx["mlp"],
+        tx["vocab"],
+    )
+    assert (text.mask, text.pool, text.max_len) == ("bidirectional", "last", TEXT_LEN)
+    assert info["image_head"] == bool(im["head"]) and info["embed_dim"] == tx["out"]
+    assert info["image_size"] == im["size"] and info["text_len"] == TEXT_LEN
+    assert isinstance(info["tokenizer"], convert_lit.LiTTokenizer)
+    _forward_matches(module, variables, tree, arch, info["tokenizer"].tokenize(TEXTS[:5]))
+
+
+def test_bert_matches_the_reference_forward(checkpoints) -> None:
+    path, tree = checkpoints["b16b_bert"]
+    arch = ARCHS["b16b_bert"]
+    kind, module, variables, info = convert_lit.lit_from_dir(path)
+    assert kind == "lit" and convert_lit.is_lit_dir(path)
+    im, tx = arch["image"], arch["text"]
+    _image_tower_matches(module, arch)
+    assert isinstance(module.text, bert.BertTextTower)
+    enc = module.text.encoder
+    assert (enc.width, enc.depth, enc.num_heads, enc.mlp_dim) == (
+        tx["width"],
+        tx["depth"],
+        tx["heads"],
+        tx["mlp"],
+    )
+    assert (enc.vocab_size, enc.num_positions, enc.num_segments) == (
+        tx["vocab"],
+        tx["positions"],
+        2,
+    )
+    assert (enc.ln_eps, enc.activation) == (BERT_EPS, "gelu_tanh")
+    assert module.text_length == info["text_len"] == TEXT_LEN
+    assert info["image_head"] and info["embed_dim"] == tx["out"] == im["head"]
+    assert info["tokenizer_file"].name == "LiT-tiny.txt"
+    tokenizer = info["tokenizer"]
+    assert isinstance(tokenizer, convert_lit.LiTBertTokenizer)
+    ids = tokenizer.tokenize(BERT_TEXTS)
+    assert (ids == 0).any() and (ids != 0).all(axis=1).any()  # padded rows and a full one
+    _forward_matches(module, variables, tree, arch, ids)
+
+
+def test_bert_tower_matches_transformers(tmp_path) -> None:
+    """The BERT text tower against transformers' BertModel, weights copied into flaxformer's
+    layout (what flaxformer's bert_checkpoint_converter reads off a TF BERT checkpoint)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    arch = ARCHS["b16b_bert"]
+    tx = arch["text"]
+    config = transformers.BertConfig(
+        vocab_size=tx["vocab"],
+        hidden_size=tx["width"],
+        num_hidden_layers=tx["depth"],
+        num_attention_heads=tx["heads"],
+        intermediate_size=tx["mlp"],
+        max_position_embeddings=tx["positions"],
+        type_vocab_size=2,
+        hidden_act="gelu_new",  # the tanh approximation, flax's nn.gelu default
+        layer_norm_eps=BERT_EPS,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    model = transformers.BertModel(config, add_pooling_layer=False).eval()
+    with torch.no_grad():  # random norms and biases too, not their ones and zeros
+        for name, p in model.named_parameters():
+            p.copy_((name.endswith("LayerNorm.weight")) + 0.1 * torch.randn_like(p))
+    sd = {k: v.numpy().astype(np.float64) for k, v in model.state_dict().items()}
+
+    def linear(key) -> dict:
+        return {"kernel": sd[f"{key}.weight"].T, "bias": sd[f"{key}.bias"]}
+
+    def norm(key) -> dict:
+        return {"scale": sd[f"{key}.weight"], "bias": sd[f"{key}.bias"]}
+
+    def layer(i) -> dict:
+        hf = f"encoder.layer.{i}"
+        return {
+            "attention_block": {
+                "attention_layer": {
+                    n: linear(f"{hf}.attention.self.{n}") for n in ("query", "key", "value")
+                },
+                "dense_layer": linear(f"{hf}.attention.output.dense"),
+                "layer_norm": norm(f"{hf}.attention.output.LayerNorm"),
+            },
+            "mlp_block": {
+                "mlp": {"dense_layer": linear(f"{hf}.intermediate.dense")},
+                "dense_layer": linear(f"{hf}.output.dense"),
+                "layer_norm": norm(f"{hf}.output.LayerNorm"),
+            },
+        }
+
+    embeddings = {"token_ids": "word", "position_ids": "position", "segment_ids": "token_type"}
+    bert_params = {
+        "embedder": {
+            f"embedders_{ours}": {"embedding": sd[f"embeddings.{theirs}_embeddings.weight"]}
+            for ours, theirs in embeddings.items()
+        },
+        "layer_norm": norm("embeddings.LayerNorm"),
+        "encoder_block": {"layer_sequence": {f"layers_{i}": layer(i) for i in range(tx["depth"])}},
+    }
+    tree = lit_tree(arch, seed=7)
+    tree["txt"]["BertEncoder_0"] = bert_params
+    path = write_dir(tmp_path, published(tree, arch["layout"]), vocab=WORDPIECES)
+    _, module, variables, _ = convert_lit.lit_from_dir(path)
+
+    # [CLS] first, then zero padding after 16, 9, 3 and 1 tokens.
+    rng = np.random.default_rng(5)
+    ids = rng.integers(5, tx["vocab"], (4, TEXT_LEN)).astype(np.int32)
+    ids[:, 0] = WORDPIECES.index("[CLS]")
+    ids[np.arange(TEXT_LEN) >= np.array([16, 9, 3, 1])[:, None]] = 0
+    mask = (ids != 0).astype(np.int32)
+    with torch.no_grad():
+        hidden = model(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask))
+    expected = hidden.last_hidden_state.numpy().astype(np.float64)
+
+    def states(m, input_ids, attention_mask=None):
+        return m.text.encoder(input_ids, attention_mask)
+
+    run = jax.jit(functools.partial(module.apply, method=states))
+    # The mask given, or recovered from the zeros as LiT does: every state is transformers'.
+    for got in (run(variables, ids, mask), run(variables, ids)):
+        assert max_diff(got, expected) < ATOL, max_diff(got, expected)
+    # The pooled output is the [CLS] state, projected by the head (no BERT pooler).
+    head = tree["txt"]["head"]
+    text = jax.jit(functools.partial(module.apply, method=module.text_features))(variables, ids)
+    pooled = expected[:, 0] @ head["kernel"] + head["bias"]
+    assert max_diff(text, pooled) < ATOL, max_diff(text, pooled)
+
+
 def test_preprocessing_is_resize_and_value_range(checkpoints) -> None:
     _, _, _, info = convert_lit.lit_from_dir(checkpoints["l16s"][0])
     pre = info["preprocessing"]
-    assert pre.resize_to == (32, 32) and pre.crop is None and pre.resample == 2
-    image = np.full((20, 50, 3), 51, np.uint8)
-    np.testing.assert_allclose(pre(image), np.full((32, 32, 3), 2 * 51 / 255 - 1), atol=1e-6)
+    assert pre.resize_to == (32, 32) and pre.crop is None
+    assert pre.resample == preprocess.TF_BILINEAR  # equal to tf.image.resize: test_tf_resize.py
+    image = np.random.default_rng(3).integers(0, 256, (20, 50, 3), dtype=np.uint8)
+    squashed = preprocess.tf_bilinear_resize(image, 32, 32)
+    np.testing.assert_allclose(pre(image), squashed / 127.5 - 1, atol=1e-6)
 
 
 def sticky_reference(sp, text: str, max_len: int, lower: bool) -> list[int]:
@@ -362,6 +608,45 @@ def test_tokenizer_is_big_vision_sticky_eos(spm_model, lower) -> None:
     assert (ids[:, -1] == tok.eos_id).all()
     expected = [sticky_reference(sp, t, 8, lower) for t in texts]
     np.testing.assert_array_equal(ids, np.array(expected, np.int32))
+
+
+def wordpiece_reference(text: str, max_len: int) -> list[int]:
+    """vit_jax's `BertTokenizer` on `WORDPIECES`, for texts without the characters where
+    lowercasing and tensorflow_text's case folding differ: lowercase, strip accents, split at
+    whitespace and punctuation, word pieces longest first ("[UNK]" for a word they do not
+    cover), cut to max_len - 1, "[CLS]" first, zero padding."""
+    vocab = {t: i for i, t in enumerate(WORDPIECES)}
+    text = unicodedata.normalize("NFD", text.lower())
+    text = "".join(c for c in text if unicodedata.category(c) != "Mn")
+    pieces = []
+    for word in re.findall(r"\w+|[^\w\s]", text):
+        ids, start = [], 0
+        while start < len(word):
+            end = len(word)
+            while end > start and ("##" * bool(start) + word[start:end]) not in vocab:
+                end -= 1
+            if end == start:
+                ids = [vocab["[UNK]"]]
+                break
+            ids.append(vocab["##" * bool(start) + word[start:end]])
+            start = end
+        pieces += ids
+    ids = [vocab["[CLS]"], *pieces[: max_len - 1]]
+    return ids + [0] * (max_len - len(ids))
+
+
+def test_bert_tokenizer_is_vit_jax_wordpiece(tmp_path) -> None:
+    (tmp_path / "vocab.txt").write_text("\n".join(WORDPIECES) + "\n")
+    tok = convert_lit.LiTBertTokenizer(tmp_path / "vocab.txt", max_len=TEXT_LEN)
+    assert tok.cls_id == 2 and tok.vocab_size == len(WORDPIECES)
+    ids = tok.tokenize(BERT_TEXTS)
+    assert ids.dtype == np.int32 and ids.shape == (len(BERT_TEXTS), TEXT_LEN)
+    expected = np.array([wordpiece_reference(t, TEXT_LEN) for t in BERT_TEXTS], np.int32)
+    np.testing.assert_array_equal(ids, expected)
+    assert (ids[:, 0] == tok.cls_id).all() and not (ids == WORDPIECES.index("[SEP]")).any()
+    # tensorflow_text case-folds with NFKC: the ligature and "ß" fold to ASCII letters.
+    folded = tok.tokenize(["STRAßE", "ﬁsh", "ＣＡＴ"])[:, 1]
+    np.testing.assert_array_equal(folded, [WORDPIECES.index(w) for w in ("strasse", "fish", "cat")])
 
 
 # --------------------------------------------------------------------------- errors
@@ -406,14 +691,39 @@ def test_directory_without_a_sentencepiece_model(tmp_path) -> None:
     assert str(path) in msg and "exactly one .model file" in msg
 
 
-def test_bert_text_towers_are_refused(tmp_path, spm_model) -> None:
-    arrays = {
-        **_arrays("l16s"),
-        "txt/BertEncoder_0/embedder/embedders_token_ids/embedding": np.zeros((4, 2), np.float32),
-    }
-    msg = _load_error(write_dir(tmp_path / "spm", arrays, spm_model))
-    assert "LiT-tiny.npz" in msg and "BERT text tower" in msg
-    path = write_dir(tmp_path / "bert", arrays)
-    (path / "LiT-tiny.txt").write_text("[PAD]\n[CLS]\n")
-    assert "WordPiece vocabulary LiT-tiny.txt" in _load_error(path)
-    assert not convert_lit.is_lit_dir(tmp_path / "nowhere")
+LAYER = "txt/BertEncoder_0/encoder_block/layer_sequence/layers_1"
+
+
+def test_bert_missing_key(tmp_path) -> None:
+    arrays = _arrays("b16b_bert")
+    del arrays[f"{LAYER}/mlp_block/layer_norm/bias"]
+    msg = _load_error(write_dir(tmp_path, arrays, vocab=WORDPIECES))
+    assert f"missing npz key '{LAYER}/mlp_block/layer_norm/bias'" in msg
+
+
+def test_bert_extra_key(tmp_path) -> None:
+    # A BERT pooler, which LiT does not use, is not silently dropped.
+    pooler = "txt/BertEncoder_0/pooler/dense/kernel"
+    arrays = {**_arrays("b16b_bert"), pooler: np.zeros((128, 128), np.float32)}
+    msg = _load_error(write_dir(tmp_path, arrays, vocab=WORDPIECES))
+    assert f"unused source key '{pooler}'" in msg
+
+
+def test_bert_wrong_shape(tmp_path) -> None:
+    arrays = _arrays("b16b_bert")
+    key = f"{LAYER}/attention_block/attention_layer/query/bias"
+    arrays[key] = np.zeros(7, np.float32)
+    msg = _load_error(write_dir(tmp_path, arrays, vocab=WORDPIECES))
+    assert f"from '{key}': shape (7,) != (2, 64)" in msg
+
+
+def test_bert_directory_without_a_vocabulary(tmp_path, spm_model) -> None:
+    # A sentencepiece model does not stand in for the WordPiece vocabulary.
+    path = write_dir(tmp_path, _arrays("b16b_bert"), spm_model)
+    msg = _load_error(path)
+    assert str(path) in msg and "exactly one .txt file (the WordPiece vocabulary" in msg
+
+
+def test_bert_vocabulary_without_cls(tmp_path) -> None:
+    path = write_dir(tmp_path, _arrays("b16b_bert"), vocab=[w for w in WORDPIECES if w != "[CLS]"])
+    assert "the WordPiece vocabulary has no '[CLS]'" in _load_error(path)

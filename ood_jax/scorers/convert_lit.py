@@ -1,10 +1,11 @@
 """LiT (Zhai et al. 2022, "LiT: Zero-Shot Transfer with Locked-image text Tuning") checkpoints ->
-`clip.CLIP` modules and Flax variables, with LiT's tokenizer and image preprocessing.
+`clip.CLIP` modules and Flax variables, with LiT's tokenizers and image preprocessing.
 
 LiT is a two-tower model scored as CLIP is: both towers' outputs are L2-normalized and an image's
 logits over texts are `exp(t) * cos(image, text)`, read through a softmax over the texts
 (vision_transformer's lit.ipynb: `softmax(out["t"] * ztxt @ zimg.T)`, with `out["t"] = exp(t)`).
-So a LiT checkpoint converts to the project's `clip.CLIP`: no new module is needed.
+So a LiT checkpoint converts to the project's `clip.CLIP`, its text tower `towers.TextTower` or,
+for the BERT ones, `bert.BertTextTower`.
 
 Published checkpoints (google-research/vision_transformer vit_jax/configs/models.py and
 model_cards/lit.md; big_vision configs/proj/image_text/README_lit.md). Each `.npz` has its
@@ -18,14 +19,15 @@ vocabulary next to it, `<name>.model` (sentencepiece) or `<name>.txt` (BERT Word
   | LiT-L16S  | gs://vit_models/lit/LiT-L16S.npz      | L/16        | transformer S     | .model |
   | LiT-L16Ti | gs://vit_models/lit/LiT-L16Ti.npz     | L/16        | transformer Ti    | .model |
 
-All take 224px images and 16 text tokens; the embeddings are 768 wide (B16B*) or 1024 (L16*).
-This module converts the sentencepiece ones (L16S: width 384, 6 heads; L16Ti: width 192, 3 heads;
-both 12 layers and a 16,000-piece vocabulary). The BERT ones are refused with an explanation:
-their text tower (flaxformer's post-norm `BertEncoder`, with segment embeddings, an embedding
-LayerNorm and a padding mask) is not the pre-norm `towers.TextTower`.
+All take 224px images and 16 text tokens (`pp.max_len`); the embeddings are 768 wide (B16B*) or
+1024 (L16*). L16S: width 384, 6 heads; L16Ti: width 192, 3 heads; both 12 layers and a 16,000-piece
+vocabulary. BERT-Base: width 768, 12 layers, 12 heads; BERT-Large: 1024, 24, 16; both 512
+position embeddings, 2 segments and BERT's 30,522-piece uncased vocabulary. (vit_jax's
+models_test.py parameter counts, 195,871,489 for LiT-B16B, 195,280,897 for B16B_2, add up with
+these tables and no BERT pooler.)
 
-A LiT directory is one `.npz` and one sentencepiece `.model` file, as published side by side
-(e.g. LiT-L16S.npz and LiT-L16S.model); `lit_from_dir(path)` loads it.
+A LiT directory is one `.npz` and its vocabulary, as published side by side (e.g. LiT-L16S.npz
+and LiT-L16S.model, LiT-B16B.npz and LiT-B16B.txt); `lit_from_dir(path)` loads it.
 
 The `.npz` is a flattened Flax parameter tree, keys joined with "/". vit_jax's `checkpoint.load`
 and big_vision's `utils.load_params` both read it; this module accepts what they accept:
@@ -49,21 +51,40 @@ In Linen names the tree is
       and out/{kernel [H, d, D], bias}, LayerNorm_1, MlpBlock_0/Dense_{0,1}/{kernel, bias}
   img/Transformer/encoder_norm/{scale, bias}
   img/head/{kernel, bias}                        only LiT-B16B: a linear head with bias
-  txt/Embed_0/embedding [V, D], txt/pos_embedding [1, L, D]
-  txt/Encoder_0/encoderblock_{i}/... (as above), txt/Encoder_0/encoder_norm
+  the sentencepiece text towers (L16S, L16Ti):
+    txt/Embed_0/embedding [V, D], txt/pos_embedding [1, L, D]
+    txt/Encoder_0/encoderblock_{i}/... (as above), txt/Encoder_0/encoder_norm
+  or the BERT ones (B16B, B16B_2, L16L), flaxformer's `BertEncoder` named `BertEncoder_0` by the
+  wrappers' compact call (vit_jax/models_lit.py `BertModel`, big_vision
+  models/proj/flaxformer/bert.py), every kernel stored 2-D by flaxformer's `DenseGeneral`
+  (`reshape_kernel=True`: heads flattened, head-major):
+    txt/BertEncoder_0/embedder/embedders_{token_ids [V, D], position_ids [512, D],
+      segment_ids [2, D]}/embedding, txt/BertEncoder_0/layer_norm/{scale, bias}
+    txt/BertEncoder_0/encoder_block/layer_sequence/layers_{i}/
+      attention_block/attention_layer/{query,key,value}/{kernel [D, H * d], bias [H * d]},
+      attention_block/dense_layer/{kernel [H * d, D], bias}, attention_block/layer_norm,
+      mlp_block/mlp/dense_layer/{kernel [D, F], bias}, mlp_block/dense_layer/{kernel [F, D],
+      bias}, mlp_block/layer_norm
   txt/head/{kernel [D, E], bias}                 into the shared embedding space
   t [1]                                          log temperature
 (vit_jax/models_lit.py, vit_jax/models_vit.py; big_vision/models/vit.py,
-models/proj/image_text/two_towers.py and text_transformer.py.) Both codebases use flax's
-defaults: LayerNorm epsilon 1e-6 and the tanh approximation of GELU. The text tower attends
-bidirectionally without a padding mask and pools the last position, which the sticky tokenizer
-guarantees is "</s>". As `convert` does, the conversion fails, listing them, on a tensor it did
-not use, a parameter it did not fill (naming the npz key it looked for) or a shape mismatch.
+models/proj/image_text/two_towers.py and text_transformer.py; flaxformer/architectures/bert/
+bert.py and its testdata/model_param_shapes.json.) The head count is not in the flattened
+kernels: it is the width over BERT's 64-wide heads (BertBaseConfig 768 / 12, BertLargeConfig
+1024 / 16).
+
+The image and sentencepiece towers use flax's defaults: LayerNorm epsilon 1e-6 and the tanh
+approximation of GELU. Their text tower attends bidirectionally without a padding mask and pools
+the last position, which the sticky tokenizer guarantees is "</s>". The BERT tower (`bert`
+docstring) uses epsilon 1e-12, tanh GELU too, masks the zero padding and pools [CLS]. As
+`convert` does, the conversion fails, listing them, on a tensor it did not use, a parameter it
+did not fill (naming the npz key it looked for) or a shape mismatch.
 """
 
 import dataclasses
 import math
 import re
+import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -72,27 +93,34 @@ import flax.traverse_util
 import jax.numpy as jnp
 import numpy as np
 import sentencepiece
+import tokenizers
 from flax.training import checkpoints
 
 from ood_jax.models import vit
-from ood_jax.scorers import clip, convert, preprocess, towers
+from ood_jax.scorers import bert, clip, convert, preprocess, towers
 
 KIND = "lit"
 WEIGHTS_SUFFIX = ".npz"
-TOKENIZER_SUFFIX = ".model"
+TOKENIZER_SUFFIX = ".model"  # sentencepiece
+VOCAB_SUFFIX = ".txt"  # BERT WordPiece
 PARAM_ROOTS = ("params/", "opt/target/")  # big_vision's `load_params`, in its order
 LN_EPS = 1e-6  # flax.linen.LayerNorm's default
 ACTIVATION = "gelu_tanh"  # flax.linen.gelu's default (approximate=True)
 EOS_PIECE = "</s>"
+# vit_jax configs/models.py: `pp.max_len` of every LiT model. The sentencepiece towers' position
+# embeddings have as many rows; BERT's have 512, so the BERT towers take it from here.
+TEXT_LEN = 16
+CLS_TOKEN, UNK_TOKEN = "[CLS]", "[UNK]"
+BERT = "txt/BertEncoder_0"
+BERT_LAYERS = f"{BERT}/encoder_block/layer_sequence/layers_"
+BERT_HEAD_DIM = 64  # every BERT size's (module docstring)
 
 # big_vision's eval `resize(224)|value_range(-1, 1)` and vit_jax's `PreprocessImages`: a squash
-# to the square input size, bilinear, then 2 x / 255 - 1 ((x - 127.5) / 127.5). An approximation
-# of TF's resize: `tf.image.resize` does not antialias and its result is truncated to uint8, while
-# Pillow's bilinear filter rounds and antialiases when downsampling (when upsampling both are the
-# same triangle filter, within a uint8 level).
+# to the square input size with TensorFlow's bilinear resize (no antialiasing, truncated to
+# uint8: `preprocess.TF_BILINEAR`), then 2 x / 255 - 1 ((x - 127.5) / 127.5).
 PREPROCESSOR = {
     "do_resize": True,
-    "resample": 2,  # PIL bilinear
+    "resample": preprocess.TF_BILINEAR,
     "do_center_crop": False,
     "do_rescale": True,
     "rescale_factor": 1 / 255,
@@ -167,6 +195,101 @@ class LiTTokenizer:
         return out
 
 
+def read_vocab(file: str | Path) -> dict[str, int]:
+    """A WordPiece vocabulary: one token a line, its id the line's number (tensorflow_text's
+    lookup table, vit_jax's `vocab.index`); a repeated token keeps its first id."""
+    lines = Path(file).read_text(encoding="utf-8").split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    vocab: dict[str, int] = {}
+    for i, token in enumerate(lines):
+        vocab.setdefault(token, i)
+    return vocab
+
+
+def tf_text_case_fold(text: str) -> str:
+    """tensorflow_text's `lower_case` and control-character steps before its word split.
+
+    `case_fold_utf8` is ICU's NFKC_Casefold (tensorflow_text core/kernels/normalize_kernels.cc):
+    compatibility forms folded ("ﬁ" -> "fi", full-width "Ａ" -> "a") and full case folding
+    ("ß" -> "ss"). NFKC, `str.casefold`, NFKC again computes it, but for its deleting the
+    default-ignorable characters (zero-width spaces and joiners, soft hyphens, ...), nearly all
+    of them format characters (Cf), which `tokenizers` deletes in turn. Then control characters
+    (Cc) become spaces: word breaks.
+    """
+    text = unicodedata.normalize("NFKC", unicodedata.normalize("NFKC", text).casefold())
+    return "".join(" " if unicodedata.category(c) == "Cc" else c for c in text)
+
+
+@dataclasses.dataclass(frozen=True)
+class LiTBertTokenizer:
+    """LiT's WordPiece tokenization: "[CLS]", then the text's word pieces, zero-padded.
+
+    vit_jax's `BertTokenizer` (preprocess.py) and big_vision's `bert_tokenize` op
+    (pp/proj/flaxformer/bert_ops.py) are the same rule: tensorflow_text's
+    `BertTokenizer(vocab, lower_case=True)` word pieces of the text, cut to `max_len - 1` and
+    padded with 0 by `pad_model_inputs`, after the id of "[CLS]". No "[SEP]". The text tower
+    recovers its padding mask from the zeros ("[PAD]" is id 0 in BERT's vocabularies), so the
+    tokenizer returns ids only, as `LiTTokenizer` does.
+
+    tensorflow_text lowercases (`tf_text_case_fold`), strips accents (NFD, then no Mn), splits
+    at spaces, punctuation (ASCII and \\p{P}) and around CJK ideographs, and word-pieces each
+    word greedily, longest match first, a word it cannot cover being "[UNK]". The same BERT
+    pipeline of Hugging Face `tokenizers` (transformers' `BertTokenizer` / `BertTokenizerFast`
+    backend: BertNormalizer, BertPreTokenizer, WordPiece), after `tf_text_case_fold` in place of
+    its lowercasing, computes it here. It is built directly rather than through transformers:
+    that would match special tokens in the text, which tensorflow_text does not (a "[CLS]" in a
+    text is "[", the pieces of "cls", "]"), and transformers 5 ignores a `vocab_file` argument.
+    What still differs, on inputs no prompt has (checked against tensorflow_text 2.21.1):
+    `tokenizers` deletes U+FFFD and the format characters (Cf) that are not default-ignorable
+    (e.g. the Arabic number signs), where tensorflow_text keeps the first and breaks words at
+    the others; it breaks words at U+1680, U+2028 and U+2029, which RE2's ASCII `\\s` does not;
+    its word limit is 100 characters, tensorflow_text's 100 bytes (longer words are "[UNK]").
+
+    Attributes:
+      vocab_file: the WordPiece vocabulary (.txt), one token a line.
+      max_len: tokens per text, "[CLS]" included.
+    """
+
+    vocab_file: Path
+    max_len: int
+    vocab: dict[str, int] = dataclasses.field(init=False, repr=False)
+    tokenizer: tokenizers.Tokenizer = dataclasses.field(init=False, repr=False)
+    cls_id: int = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        vocab = read_vocab(self.vocab_file)
+        for token in (CLS_TOKEN, UNK_TOKEN):
+            if token not in vocab:
+                raise ValueError(f"{self.vocab_file}: the WordPiece vocabulary has no {token!r}")
+        tokenizer = tokenizers.Tokenizer(
+            tokenizers.models.WordPiece(vocab, unk_token=UNK_TOKEN, max_input_chars_per_word=100)
+        )
+        tokenizer.normalizer = tokenizers.normalizers.BertNormalizer(
+            clean_text=True, handle_chinese_chars=True, strip_accents=True, lowercase=False
+        )
+        tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.BertPreTokenizer()
+        object.__setattr__(self, "vocab", vocab)
+        object.__setattr__(self, "tokenizer", tokenizer)
+        object.__setattr__(self, "cls_id", vocab[CLS_TOKEN])
+
+    @property
+    def vocab_size(self) -> int:
+        """One more than the largest id (the embedding rows the vocabulary needs)."""
+        return max(self.vocab.values()) + 1
+
+    def tokenize(self, texts: Sequence[str]) -> np.ndarray:
+        """Texts -> int32 [M, max_len] token ids; 0 is padding, which the tower masks."""
+        out = np.zeros((len(texts), self.max_len), np.int32)
+        out[:, 0] = self.cls_id
+        folded = [tf_text_case_fold(t) for t in texts]
+        encodings = self.tokenizer.encode_batch(folded, add_special_tokens=False)
+        for row, encoding in zip(out, encodings):
+            ids = encoding.ids[: self.max_len - 1]
+            row[1 : 1 + len(ids)] = ids
+        return out
+
+
 # --------------------------------------------------------------------------- reading
 
 
@@ -232,6 +355,15 @@ class Source:
 # --------------------------------------------------------------------------- architecture
 
 
+def _count(src: Source, prefix: str) -> int:
+    """N where the npz has exactly `{prefix}0/` .. `{prefix}{N - 1}/` (0 where it has none)."""
+    pattern = re.compile(rf"{re.escape(prefix)}(\d+)/")
+    ids = {int(m.group(1)) for n in src.names if (m := pattern.match(n))}
+    if ids != set(range(len(ids))):
+        raise ValueError(f"{prefix}i are not numbered 0..N-1 (found {sorted(ids)})")
+    return len(ids)
+
+
 def _blocks(src: Source, encoder: str) -> tuple[str, int, bool]:
     """(first block's prefix, depth, scanned) of `encoder` ("img/Transformer", "txt/Encoder_0")."""
     if src.has_prefix(f"{encoder}/encoderblock/"):
@@ -240,11 +372,10 @@ def _blocks(src: Source, encoder: str) -> tuple[str, int, bool]:
             src.shape(f"{encoder}/encoderblock/LayerNorm_0/bias")[0],
             True,
         )
-    pattern = re.compile(rf"{re.escape(encoder)}/encoderblock_(\d+)/")
-    ids = {int(m.group(1)) for n in src.names if (m := pattern.match(n))}
-    if not ids or ids != set(range(len(ids))):
-        raise ValueError(f"{encoder}/encoderblock_i are not numbered 0..N-1 (found {sorted(ids)})")
-    return f"{encoder}/encoderblock_0", len(ids), False
+    depth = _count(src, f"{encoder}/encoderblock_")
+    if not depth:
+        raise ValueError(f"missing npz keys {encoder}/encoderblock_0/...: no encoder blocks")
+    return f"{encoder}/encoderblock_0", depth, False
 
 
 def _block_dims(src: Source, first: str) -> tuple[int, int]:
@@ -266,13 +397,12 @@ def _image_pos(src: Source) -> str:
     return next((n for n in IMAGE_POS if n in src), IMAGE_POS[-1])
 
 
-def lit_module(src: Source, dtype: Any = jnp.float32) -> clip.CLIP:
-    """The `CLIP` module whose shapes the npz tensors have (see the module docstring)."""
-    if src.has_prefix("txt/BertEncoder_0/"):
-        raise ValueError(
-            "a BERT text tower (txt/BertEncoder_0: LiT-B16B, LiT-B16B_2, LiT-L16L) is not "
-            "supported: flaxformer's post-norm BertEncoder is not towers.TextTower"
-        )
+def is_bert(src: Source) -> bool:
+    """Whether the text tower is BERT (LiT-B16B, B16B_2, L16L) rather than sentencepiece's."""
+    return src.has_prefix(f"{BERT}/")
+
+
+def _image_tower(src: Source, dtype: Any) -> towers.ImageTower:
     if "img/cls" not in src:
         raise ValueError(
             "missing npz key 'img/cls': LiT image towers pool their class token; others "
@@ -296,31 +426,61 @@ def lit_module(src: Source, dtype: Any = jnp.float32) -> clip.CLIP:
         pool_type="tok",
         dtype=dtype,
     )
-    image_head = "img/head/kernel" in src
-    image_dim = src.shape("img/head/kernel")[1] if image_head else width
+    proj_dim = src.shape("img/head/kernel")[1] if "img/head/kernel" in src else None
+    return towers.ImageTower(encoder, proj_dim=proj_dim, proj_bias=True)
 
-    vocab, text_width = src.shape("txt/Embed_0/embedding")
-    first, text_depth, _ = _blocks(src, "txt/Encoder_0")
-    text_heads, text_mlp = _block_dims(src, first)
-    text_dim = src.shape("txt/head/kernel")[1]
-    if text_dim != image_dim:
-        raise ValueError(f"image embeddings are {image_dim} wide, text embeddings {text_dim}")
-    text = towers.TextTower(
+
+def _sentencepiece_tower(src: Source, dtype: Any) -> towers.TextTower:
+    vocab, width = src.shape("txt/Embed_0/embedding")
+    first, depth, _ = _blocks(src, "txt/Encoder_0")
+    heads, mlp = _block_dims(src, first)
+    return towers.TextTower(
         vocab_size=vocab,
         max_len=src.shape("txt/pos_embedding")[1],
-        width=text_width,
-        depth=text_depth,
-        num_heads=text_heads,
-        mlp_dim=text_mlp,
+        width=width,
+        depth=depth,
+        num_heads=heads,
+        mlp_dim=mlp,
         ln_eps=LN_EPS,
         activation=ACTIVATION,
         mask="bidirectional",
         pool="last",
-        proj_dim=text_dim,
+        proj_dim=src.shape("txt/head/kernel")[1],
         proj_bias=True,
         dtype=dtype,
     )
-    image = towers.ImageTower(encoder, proj_dim=image_dim if image_head else None, proj_bias=True)
+
+
+def _bert_tower(src: Source, dtype: Any) -> bert.BertTextTower:
+    vocab, width = src.shape(f"{BERT}/embedder/embedders_token_ids/embedding")
+    if width % BERT_HEAD_DIM:
+        raise ValueError(
+            f"{BERT}: width {width} is not a multiple of BERT's {BERT_HEAD_DIM}-wide heads"
+        )
+    depth = _count(src, BERT_LAYERS)
+    if not depth:
+        raise ValueError(f"missing npz keys {BERT_LAYERS}0/...: no BERT layers")
+    encoder = bert.BertEncoder(
+        vocab_size=vocab,
+        num_positions=src.shape(f"{BERT}/embedder/embedders_position_ids/embedding")[0],
+        num_segments=src.shape(f"{BERT}/embedder/embedders_segment_ids/embedding")[0],
+        width=width,
+        depth=depth,
+        num_heads=width // BERT_HEAD_DIM,
+        mlp_dim=src.shape(f"{BERT_LAYERS}0/mlp_block/mlp/dense_layer/kernel")[1],
+        dtype=dtype,
+    )
+    proj_dim = src.shape("txt/head/kernel")[1]
+    return bert.BertTextTower(encoder, max_len=TEXT_LEN, proj_dim=proj_dim, proj_bias=True)
+
+
+def lit_module(src: Source, dtype: Any = jnp.float32) -> clip.CLIP:
+    """The `CLIP` module whose shapes the npz tensors have (see the module docstring)."""
+    image = _image_tower(src, dtype)
+    text = _bert_tower(src, dtype) if is_bert(src) else _sentencepiece_tower(src, dtype)
+    image_dim = image.proj_dim or image.encoder.width
+    if text.proj_dim != image_dim:
+        raise ValueError(f"image embeddings are {image_dim} wide, text embeddings {text.proj_dim}")
     return clip.CLIP(image=image, text=text)
 
 
@@ -348,24 +508,73 @@ def _encoder_params(
         src.put(m, f"{target}/norm/{leaf}", f"{encoder}/encoder_norm/{leaf}")
 
 
+def _reshaped(stored: tuple[int, ...], shape: tuple[int, ...]) -> Callable:
+    """Reshapes a tensor stored `stored` to `shape`; another shape is passed on as it is, for
+    `convert.assemble` to report."""
+    return lambda a: a.reshape(shape) if a.shape == stored else a
+
+
+def _bert_layer_params(
+    m: convert.TensorMapping, src: Source, target: str, layer: str, enc: bert.BertEncoder
+) -> None:
+    """A flaxformer BERT layer -> `bert.BertLayer`: flax's attention keeps heads apart."""
+    d, h = enc.width, enc.num_heads
+    attention = f"{layer}/attention_block"
+    for p in ("query", "key", "value"):
+        ours, theirs = f"{target}/attention/{p}", f"{attention}/attention_layer/{p}"
+        src.put(m, f"{ours}/kernel", f"{theirs}/kernel", _reshaped((d, d), (d, h, -1)))
+        src.put(m, f"{ours}/bias", f"{theirs}/bias", _reshaped((d,), (h, -1)))
+    out = f"{attention}/dense_layer"
+    src.put(m, f"{target}/attention/out/kernel", f"{out}/kernel", _reshaped((d, d), (h, -1, d)))
+    src.put(m, f"{target}/attention/out/bias", f"{out}/bias")
+    parts = {
+        "attention_norm": f"{attention}/layer_norm",
+        "ffn/fc1": f"{layer}/mlp_block/mlp/dense_layer",
+        "ffn/fc2": f"{layer}/mlp_block/dense_layer",
+        "ffn_norm": f"{layer}/mlp_block/layer_norm",
+    }
+    for ours, theirs in parts.items():
+        leaves = _LEAVES["norm" if ours.endswith("norm") else "dense"]
+        for leaf in leaves:
+            src.put(m, f"{target}/{ours}/{leaf}", f"{theirs}/{leaf}")
+
+
+def _bert_params(m: convert.TensorMapping, src: Source, enc: bert.BertEncoder) -> None:
+    target = "text/encoder"
+    for ours, theirs in (("word", "token"), ("position", "position"), ("segment", "segment")):
+        embedding = f"{BERT}/embedder/embedders_{theirs}_ids/embedding"
+        src.put(m, f"{target}/{ours}_embeddings/embedding", embedding)
+    for leaf in _LEAVES["norm"]:
+        src.put(m, f"{target}/embed_norm/{leaf}", f"{BERT}/layer_norm/{leaf}")
+    for i in range(enc.depth):
+        _bert_layer_params(m, src, f"{target}/layer_{i}", f"{BERT_LAYERS}{i}", enc)
+
+
+def _sentencepiece_params(m: convert.TensorMapping, src: Source, text: towers.TextTower) -> None:
+    src.put(m, "text/token_embedding/embedding", "txt/Embed_0/embedding")
+    src.put(m, "text/pos_embedding", "txt/pos_embedding", lambda a: a[0])
+    _encoder_params(m, src, "text", "txt/Encoder_0", text.depth)
+
+
 def lit_params(src: Source, module: clip.CLIP) -> dict[str, Any]:
     """{"params": ...} for `module` from the npz tensors; a ValueError lists every mismatch."""
     m = convert.TensorMapping(src.arrays)
-    img, txt = "image/encoder", "text"
-    for leaf in ("kernel", "bias"):
+    img = "image/encoder"
+    for leaf in _LEAVES["dense"]:
         src.put(m, f"{img}/embedding/{leaf}", f"img/embedding/{leaf}")
     src.put(m, f"{img}/cls", "img/cls")
     src.put(m, f"{img}/pos_embedding", _image_pos(src), _with_cls_row)
     _encoder_params(m, src, img, "img/Transformer", module.image.encoder.depth)
     if module.image.proj_dim is not None:
-        for leaf in ("kernel", "bias"):
+        for leaf in _LEAVES["dense"]:
             src.put(m, f"image/proj/{leaf}", f"img/head/{leaf}")
 
-    src.put(m, f"{txt}/token_embedding/embedding", "txt/Embed_0/embedding")
-    src.put(m, f"{txt}/pos_embedding", "txt/pos_embedding", lambda a: a[0])
-    _encoder_params(m, src, txt, "txt/Encoder_0", module.text.depth)
-    for leaf in ("kernel", "bias"):
-        src.put(m, f"{txt}/proj/{leaf}", f"txt/head/{leaf}")
+    if isinstance(module.text, bert.BertTextTower):
+        _bert_params(m, src, module.text.encoder)
+    else:
+        _sentencepiece_params(m, src, module.text)
+    for leaf in _LEAVES["dense"]:
+        src.put(m, f"text/proj/{leaf}", f"txt/head/{leaf}")
     src.put(m, "t", "t", convert.scalar)
     try:
         return convert.assemble(module, m, "LiT")
@@ -397,36 +606,43 @@ def _one(path: Path, suffix: str, what: str) -> Path:
     return files[0]
 
 
-def lit_from_dir(path: str | Path, dtype: Any = jnp.float32) -> tuple[str, clip.CLIP, dict, dict]:
-    """(KIND, module, variables, info) of a LiT directory (one `.npz` and its `.model`).
+def _vocabulary(path: Path, weights: Path) -> Path:
+    """The tokenizer file beside `weights`: the WordPiece vocabulary of a BERT text tower, else
+    the sentencepiece model; which one is read off the npz's key names, before its tensors."""
+    with np.load(weights, allow_pickle=False) as npz:
+        bert_text = any(_param_key(k).startswith(f"{BERT}/") for k in npz.files)
+    if bert_text:
+        return _one(path, VOCAB_SUFFIX, "the WordPiece vocabulary of its BERT text tower")
+    return _one(path, TOKENIZER_SUFFIX, "the sentencepiece model")
 
-    `info`: "tokenizer" (a `LiTTokenizer`), "preprocessing" (`preprocess.ImagePreprocessing`),
-    "weights" and "tokenizer_file" (paths), and the checkpoint's facts read off its shapes:
-    "image_size", "patch_size", "image_head", "text_len", "vocab_size", "embed_dim".
+
+def lit_from_dir(path: str | Path, dtype: Any = jnp.float32) -> tuple[str, clip.CLIP, dict, dict]:
+    """(KIND, module, variables, info) of a LiT directory: one `.npz` and its vocabulary, a
+    sentencepiece `.model` or, for a BERT text tower, a WordPiece `.txt`.
+
+    `info`: "tokenizer" (a `LiTTokenizer` or `LiTBertTokenizer`: `tokenize(texts)` gives the
+    ids, the only text input either tower needs), "preprocessing"
+    (`preprocess.ImagePreprocessing`), "weights" and "tokenizer_file" (paths), and the
+    checkpoint's facts read off its shapes: "image_size", "patch_size", "image_head",
+    "text_len", "vocab_size", "embed_dim".
     """
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"{path}: not a directory")
     weights = _one(path, WEIGHTS_SUFFIX, "the LiT weights")
-    vocab = weights.with_suffix(".txt")
-    if not _files(path, TOKENIZER_SUFFIX) and vocab.is_file():
-        raise ValueError(
-            f"{path}: no sentencepiece {TOKENIZER_SUFFIX} file, but the WordPiece vocabulary "
-            f"{vocab.name} of a BERT LiT checkpoint (LiT-B16B, LiT-B16B_2, LiT-L16L): those are "
-            "not supported"
-        )
-    spm = _one(path, TOKENIZER_SUFFIX, "the sentencepiece model")
+    vocab = _vocabulary(path, weights)
     try:
         src = Source(read_npz(weights))
         module = lit_module(src, dtype)
         variables = lit_params(src, module)
     except ValueError as e:
         raise ValueError(f"{weights}: {e}") from e
-    tokenizer = LiTTokenizer(spm, module.text.max_len)
+    tokenizer_class = LiTBertTokenizer if is_bert(src) else LiTTokenizer
+    tokenizer = tokenizer_class(vocab, module.text.max_len)
     if tokenizer.vocab_size > module.text.vocab_size:
         raise ValueError(
-            f"{spm}: {tokenizer.vocab_size} pieces, but {weights.name} embeds only "
-            f"{module.text.vocab_size} tokens"
+            f"{vocab}: {tokenizer.vocab_size} tokens, but {weights.name} embeds only "
+            f"{module.text.vocab_size}"
         )
     encoder = module.image.encoder
     image_size = encoder.pos_grid[0] * encoder.patch_size
@@ -436,7 +652,7 @@ def lit_from_dir(path: str | Path, dtype: Any = jnp.float32) -> tuple[str, clip.
         "tokenizer": tokenizer,
         "preprocessing": preprocess.preprocessing_from_config(config, "siglip", image_size),
         "weights": weights,
-        "tokenizer_file": spm,
+        "tokenizer_file": vocab,
         "image_size": image_size,
         "patch_size": encoder.patch_size,
         "image_head": module.image.proj_dim is not None,
