@@ -1,7 +1,8 @@
 """OODBench's four scorers, real ones: `mine oodbench-ablation` over tiny random-weight CLIP, BLIP-2,
 GroupViT and LiT checkpoints loaded from disk by `ood_jax.scorers.from_hf`, against reference
 scores computed without this project's models (transformers' PyTorch models for CLIP, BLIP-2 and
-GroupViT, the numpy LiT forward of tests/test_lit.py) and a numpy reference of the paper's rule.
+GroupViT; for LiT-B16B's layout, the numpy forward and WordPiece rule of tests/test_lit.py) and a
+numpy reference of the paper's rule.
 
 Images are the models' own size (32 px), so every image processor only rescales and normalizes
 and the references can take transformers' processors' pixels.
@@ -24,6 +25,9 @@ from test_blip2 import every_layer as blip2_config
 from test_blip2 import lavis_state_dict, save_bert_tokenizer
 from test_groupvit import save as save_groupvit
 from test_groupvit import three_stages as groupvit_config
+from test_lit import ARCHS as LIT_ARCHS
+from test_lit import WORDPIECES, bf16_rounded, lit_reference, lit_tree, published, write_dir
+from test_lit import wordpiece_reference
 from test_mining_ablation import GROUPS, SERIES, _numpy_labels
 from test_scorers import IMAGE_SIZE, clip_config, perturbed, save_clip
 
@@ -68,10 +72,14 @@ def checkpoints(tmp_path_factory) -> dict:
     transformers.BlipImageProcessor(
         size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
     ).save_pretrained(root / "blip2")
+    arch = LIT_ARCHS["b16b_bert"]
+    tree = lit_tree(arch, seed=5)
+    write_dir(root / "lit", published(tree, arch["layout"]), vocab=WORDPIECES)
     return {
         "clip": (root / "clip", clip),
         "blip2": (root / "blip2", blip2),
         "groupvit": (root / "groupvit", groupvit),
+        "lit": (root / "lit", bf16_rounded(tree, arch["layout"])),
     }
 
 
@@ -88,6 +96,10 @@ def _inputs(path, texts, images, length):
 def _reference_logits(name, path, model, images) -> np.ndarray:
     """[images, categories] logits of the scorer's S(x, c), from the PyTorch model."""
     texts = [TEMPLATE.format(c.replace("_", " ")) for c in CATEGORIES.values()]
+    if name == "lit":  # model is the parameter tree; big_vision's value_range(-1, 1)
+        ids = np.array([wordpiece_reference(t, 16) for t in texts])
+        pixels = np.stack(images).astype(np.float64) / 127.5 - 1
+        return lit_reference(model, pixels, ids, LIT_ARCHS["b16b_bert"])["logits_per_image"]
     if name == "blip2":
         pixels, tokens = _inputs(path, texts, images, 24)
         out = model(pixels, tokens["input_ids"], tokens["attention_mask"])
@@ -121,16 +133,17 @@ def test_ablation_with_four_real_scorers_matches_numpy(tmp_path, checkpoints, ca
     argv += ["--logit-scale", f"blip2={BLIP2_SCALE}", "--batch-size", "4"]
     for name in checkpoints:
         argv += ["--scorer", f"{name}={checkpoints[name][0]}"]
-    members = [m for m in SERIES if m in checkpoints]
-    argv += ["--series", ",".join(members), "--group", f"II={','.join(GROUPS['II'])}"]
+    argv += ["--series", ",".join(SERIES)]
+    for group, members in GROUPS.items():
+        argv += ["--group", f"{group}={','.join(members)}"]
     parser = argparse.ArgumentParser()
     mining_cli.add_parsers(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["mine", "oodbench-ablation", *argv])
     args.run(args)
     capsys.readouterr()
 
-    divisions = {f"series-{k}": members[:k] for k in range(1, len(members) + 1)}
-    divisions["group-II"] = list(GROUPS["II"])
+    divisions = {f"series-{k}": SERIES[:k] for k in range(1, len(SERIES) + 1)}
+    divisions.update({f"group-{group}": members for group, members in GROUPS.items()})
     seen = set()
     for division, scorers in divisions.items():
         lines = (tmp_path / "out" / f"{division}.jsonl").read_text().splitlines()
