@@ -25,6 +25,7 @@ import re
 import unicodedata
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import sentencepiece
@@ -727,3 +728,37 @@ def test_bert_directory_without_a_vocabulary(tmp_path, spm_model) -> None:
 def test_bert_vocabulary_without_cls(tmp_path) -> None:
     path = write_dir(tmp_path, _arrays("b16b_bert"), vocab=[w for w in WORDPIECES if w != "[CLS]"])
     assert "the WordPiece vocabulary has no '[CLS]'" in _load_error(path)
+
+
+# --------------------------------------------------------------------------- the scorer
+
+
+@pytest.mark.parametrize("name", ["l16s", "b16b_bert"])
+def test_a_scorer_over_a_lit_directory(name, checkpoints) -> None:
+    from ood_jax import scorers
+
+    path, tree = checkpoints[name]
+    arch = ARCHS[name]
+    scorer = scorers.from_hf(path, batch_size=2)
+    assert scorer.kind == "lit" and scorer.text_length == TEXT_LEN
+    assert scorer.logit_scale == pytest.approx(float(np.exp(tree["t"][0])), rel=1e-6)
+    assert scorer.identity["tokenizer_sha256"] and scorer.identity["path"].endswith(".npz")
+    rng = np.random.default_rng(12)
+    size = arch["image"]["size"]
+    images = [rng.integers(0, 256, (size, size, 3), dtype=np.uint8) for _ in range(3)]
+    pixels = np.stack(images).astype(np.float64) / 127.5 - 1  # an image of the model's size
+    ids = scorer.tokenize(TEXTS)["input_ids"]
+    expected = lit_reference(tree, pixels, ids, arch)
+    assert max_diff(scorer.encode_images(images), expected["image_embeds"]) < ATOL
+    assert max_diff(scorer.encode_texts(TEXTS), expected["text_embeds"]) < ATOL
+    low = scorers.from_hf(path, dtype=jnp.bfloat16, batch_size=2)
+    cosine = np.sum(low.encode_texts(TEXTS) * scorer.encode_texts(TEXTS), axis=-1)
+    assert cosine.min() > 0.99
+
+
+def test_a_lit_scorer_batch_sharded_over_a_mesh(checkpoints) -> None:
+    from test_scorers import check_sharded_over_a_mesh
+
+    check_sharded_over_a_mesh(
+        checkpoints["b16b_bert"][0], vocab_size=ARCHS["b16b_bert"]["text"]["vocab"]
+    )
