@@ -346,18 +346,25 @@ def scalar(a: np.ndarray) -> np.ndarray:
 
 
 def example_inputs(module: clip.CLIP) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
-    encoder = module.image.encoder
-    gh, gw = encoder.pos_grid
-    p = encoder.patch_size
-    images = jax.ShapeDtypeStruct((1, gh * p, gw * p, 3), jnp.float32)
-    ids = jax.ShapeDtypeStruct((1, module.text.max_len), jnp.int32)
+    images = jax.ShapeDtypeStruct((1, *module.image_size, 3), jnp.float32)
+    ids = jax.ShapeDtypeStruct((1, module.text_length), jnp.int32)
     return images, ids
 
 
-def assemble(module: clip.CLIP, mapped: TensorMapping, source: str) -> dict[str, Any]:
-    """{"params": ...} from the mapped tensors, or a ValueError listing every mismatch."""
-    shapes = jax.eval_shape(module.init, jax.random.key(0), *example_inputs(module))["params"]
-    targets = flax.traverse_util.flatten_dict(shapes, sep="/")
+def assemble(
+    module: Any,
+    mapped: TensorMapping,
+    source: str,
+    targets: Mapping[str, jax.ShapeDtypeStruct] | None = None,
+) -> dict[str, Any]:
+    """{"params": ...} from the mapped tensors, or a ValueError listing every mismatch.
+
+    `targets` are the module's parameters, flattened with "/"; by default those its `__call__`
+    creates on `example_inputs` (a model with parameters only another method creates, as
+    BLIP-2's matching head, passes its own)."""
+    if targets is None:
+        shapes = jax.eval_shape(module.init, jax.random.key(0), *example_inputs(module))
+        targets = flax.traverse_util.flatten_dict(shapes["params"], sep="/")
     used = {key for key, _ in mapped.out.values()}
     problems = [
         f"unused source key {k!r}" for k in mapped.sd if k not in used and not IGNORED_KEY.match(k)

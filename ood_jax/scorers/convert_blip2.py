@@ -237,30 +237,6 @@ def _param_shapes(module: blip2.BLIP2) -> dict[str, jax.ShapeDtypeStruct]:
     }
 
 
-def _assemble(module: blip2.BLIP2, mapped: convert.TensorMapping) -> dict[str, Any]:
-    """{"params": ...} from the mapped tensors, or a ValueError listing every mismatch (the
-    checks of `convert.assemble`, whose example inputs are a two-tower model's)."""
-    targets = _param_shapes(module)
-    used = {key for key, _ in mapped.out.values()}
-    problems = [
-        f"unused source key {k!r}"
-        for k in mapped.sd
-        if k not in used and not convert.IGNORED_KEY.match(k)
-    ]
-    problems += [f"unfilled target param {t!r}" for t in targets if t not in mapped.out]
-    for t, (key, a) in mapped.out.items():
-        if t not in targets:
-            problems.append(f"source key {key!r} maps to {t!r}, which the module does not have")
-        elif a.shape != targets[t].shape:
-            problems.append(f"{t!r} from {key!r}: shape {a.shape} != {targets[t].shape}")
-    if problems:
-        raise ValueError(
-            f"transformers {ARCHITECTURE} conversion failed:\n  " + "\n  ".join(sorted(problems))
-        )
-    params = {t: jnp.asarray(a, jnp.float32) for t, (_, a) in mapped.out.items()}
-    return {"params": flax.traverse_util.unflatten_dict(params, sep="/")}
-
-
 def blip2_params_from_hf(
     state_dict: Mapping[str, np.ndarray], module: blip2.BLIP2
 ) -> dict[str, Any]:
@@ -271,7 +247,7 @@ def blip2_params_from_hf(
     m.put("query_tokens", "query_tokens")
     for name in ("vision_projection", "text_projection", "itm_head"):
         m.dense(name, name)
-    return _assemble(module, m)
+    return convert.assemble(module, m, f"transformers {ARCHITECTURE}", _param_shapes(module))
 
 
 def blip2_from_hf(path: str | Path, dtype: Any = jnp.float32) -> tuple[str, Any, dict, dict]:
