@@ -299,17 +299,26 @@ class TensorMapping:
             )
             self.put(f"{target}/{name}/bias", f"{key}.bias", lambda a: a.reshape(heads, -1))
 
-    def packed_qkv(self, target: str, key: str, heads: int) -> None:
-        """torch.nn.MultiheadAttention's [3D, D] `in_proj_weight` -> the three projections."""
+    def packed_qkv(
+        self,
+        target: str,
+        key: str,
+        heads: int,
+        names: tuple[str, str] = ("in_proj_weight", "in_proj_bias"),
+    ) -> None:
+        """A [3D, D] packed projection whose rows are (q, k, v) x heads x head_dim (torch's
+        MultiheadAttention `in_proj_*`; `names` = (weight, bias) for other layouts) -> the three
+        projections."""
+        weight, bias = names
         for j, name in enumerate(("query", "key", "value")):
             self.put(
                 f"{target}/{name}/kernel",
-                f"{key}.in_proj_weight",
+                f"{key}.{weight}",
                 lambda a, j=j: a.reshape(3, -1, a.shape[1])[j].T.reshape(a.shape[1], heads, -1),
             )
             self.put(
                 f"{target}/{name}/bias",
-                f"{key}.in_proj_bias",
+                f"{key}.{bias}",
                 lambda a, j=j: a.reshape(3, heads, -1)[j],
             )
 

@@ -177,18 +177,7 @@ def _vision(m: convert.TensorMapping, encoder: vit.ViT) -> None:
         block, key = f"{target}/block_{i}", f"{src}.encoder.layers.{i}"
         m.layernorm(f"{block}/norm1", f"{key}.layer_norm1")
         m.layernorm(f"{block}/norm2", f"{key}.layer_norm2")
-        for j, name in enumerate(("query", "key", "value")):
-            # Rows of the packed [3W, W] Linear are (q, k, v) x heads x head_dim.
-            m.put(
-                f"{block}/attn/{name}/kernel",
-                f"{key}.self_attn.qkv.weight",
-                lambda a, j=j: a.reshape(3, -1, a.shape[1])[j].T.reshape(a.shape[1], heads, -1),
-            )
-            m.put(
-                f"{block}/attn/{name}/bias",
-                f"{key}.self_attn.qkv.bias",
-                lambda a, j=j: a.reshape(3, heads, -1)[j],
-            )
+        m.packed_qkv(f"{block}/attn", f"{key}.self_attn.qkv", heads, ("weight", "bias"))
         m.attention_out(f"{block}/attn", f"{key}.self_attn.projection", heads)
         m.dense(f"{block}/mlp/fc1", f"{key}.mlp.fc1")
         m.dense(f"{block}/mlp/fc2", f"{key}.mlp.fc2")
