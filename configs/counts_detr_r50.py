@@ -85,6 +85,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.optim.decay_factor = 0.1
     config.optim.warmup_steps = 0
 
+    # Evaluation and export use an exponential moving average of the parameters when
+    # ema_decay > 0 (0: off), with TF's warmup min(ema_decay, (1 + t) / (10 + t)) at step t
+    # when ema_warmup (ood_jax/train/optim.py). On or off for good once a workdir has checkpoints.
+    config.ema_decay = 0.0
+    config.ema_warmup = True
+
     config.loss = ml_collections.ConfigDict()
     config.loss.eos_coef = 0.1
 

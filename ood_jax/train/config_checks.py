@@ -9,7 +9,10 @@ fail inside orbax (other shapes) or, worse, continue a different experiment unde
 one's name. Only the fields of `FREE_ON_RESUME` may change: how long and how often (steps,
 intervals, checkpoints kept, eval batch size), where files are (data_dir, backbone_weights,
 which is read on a fresh start only) and on which devices (mesh, partition rules, multi-host).
-Every other field, including any a config adds later, is checked.
+Every other field, including any a config adds later, is checked; a field added after
+workdirs were trained without it (`ADDED_FIELDS`) is compared as the value it then had.
+Whether EMA is on (`config.ema_decay` > 0) may not change at all, not even with
+allow_config_change: the EMA parameters are in the checkpoints or they are not.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ _RULES: dict[str, tuple[type, float, bool]] = {
     "pretrain.steps": (int, 0, True),
     "pretrain.batch_size": (int, 1, True),
     "pretrain.lr": (float, 0.0, False),
+    "ema_decay": (float, 0.0, True),
 }
 
 
@@ -56,7 +60,8 @@ def _lookup(config: ml_collections.ConfigDict, path: str) -> tuple[bool, Any]:
 
 
 def check_numbers(config: ml_collections.ConfigDict) -> None:
-    """Raises ValueError naming the first field of `_RULES` whose value is out of range."""
+    """Raises ValueError naming the first field of `_RULES` whose value is out of range, or
+    an ema_decay of 1 or more."""
     for path, (kind, low, inclusive) in _RULES.items():
         present, value = _lookup(config, path)
         if not present:
@@ -69,6 +74,15 @@ def check_numbers(config: ml_collections.ConfigDict) -> None:
         if value < low or (value == low and not inclusive):
             bound = f">= {low}" if inclusive else f"> {low}"
             raise ValueError(f"config.{path}: must be {bound}, got {value!r}")
+    if config.get("ema_decay", 0.0) >= 1:  # an average that never moves from the initialization
+        raise ValueError(
+            f"config.ema_decay: must be < 1 (0 turns EMA off), got {config.ema_decay!r}"
+        )
+
+
+def ema_enabled(config: ml_collections.ConfigDict | dict) -> bool:
+    """Whether a config (or the JSON of one) keeps an EMA of the parameters."""
+    return (config.get("ema_decay") or 0.0) > 0
 
 
 # Fields (and the fields under them) a resumed run may change; see the module docstring.
@@ -90,6 +104,10 @@ FREE_ON_RESUME = (
 )
 
 _ABSENT = object()
+
+# Fields added after workdirs were trained without them -> the value an older config.json that
+# lacks one stands for (what the trainer did before), so resuming those is no change.
+ADDED_FIELDS = {"ema_decay": 0.0, "ema_warmup": True}
 
 
 def config_values(config: ml_collections.ConfigDict | dict) -> dict[str, Any]:
@@ -115,7 +133,8 @@ def _is_free(path: str) -> bool:
 
 def changed_fields(stored: dict, config: ml_collections.ConfigDict) -> list[tuple[str, Any, Any]]:
     """(field, stored value, new value) for each field that differs, free ones included."""
-    old, new = config_values(stored), config_values(config)
+    old = {**ADDED_FIELDS, **config_values(stored)}
+    new = {**ADDED_FIELDS, **config_values(config)}
     return [
         (path, old.get(path, _ABSENT), new.get(path, _ABSENT))
         for path in sorted(old.keys() | new.keys())
@@ -139,8 +158,17 @@ def check_resume(
     config the workdir's checkpoints were trained with, unless `config.allow_config_change`.
 
     Returns the changed fields that are not free (empty unless allow_config_change let them
-    through), for the caller to report.
+    through), for the caller to report. Turning EMA on or off is refused in any case.
     """
+    if ema_enabled(stored) != ema_enabled(config):
+        stored_decay = stored.get("ema_decay") or 0.0
+        was = f"ema_decay {stored_decay}" if ema_enabled(stored) else "no EMA"
+        raise ValueError(
+            f"config.ema_decay: --workdir {workdir} holds checkpoints trained with {was}, and "
+            f"this config has ema_decay {config.get('ema_decay', 0.0)}: an EMA cannot be "
+            "started or dropped on resume (the checkpoints hold the average or they do not); "
+            f"resume with --config.ema_decay={stored_decay}, or use a fresh --workdir"
+        )
     guarded = [change for change in changed_fields(stored, config) if not _is_free(change[0])]
     if guarded and not config.get("allow_config_change", False):
         raise ValueError(

@@ -1,6 +1,7 @@
 """Exports a trained detector from a workdir's checkpoint to one self-contained file.
 
-The checkpoint's params and model state and the config saved with it go through
+The checkpoint's params (its EMA parameters when the run kept them, `config.ema_decay`, as
+evaluation uses them) and model state and the config saved with it go through
 `ood_jax.models.exported.write_exported`, which owns the file format (described there; format
 version 1). Nothing of the optimizer is read or written. `ood_jax.models.load_exported` reads
 the file back and runs it without optax, orbax or TensorFlow.
@@ -36,8 +37,9 @@ def restore_inference_state(
 ) -> tuple[int, dict[str, Any], dict[str, Any]]:
     """(step, variables, meta) of the newest (or the given) checkpoint of `workdir`.
 
-    Only the params and model_state subtrees of the "state" item are read, as host numpy
-    arrays, so neither the optimizer nor the training mesh has to be rebuilt.
+    Only the params (ema_params where the checkpoint has them) and model_state subtrees of the
+    "state" item are read, as host numpy arrays, so neither the optimizer nor the training mesh
+    has to be rebuilt.
     """
     directory = pathlib.Path(workdir).absolute() / "checkpoints"
     if not directory.is_dir():
@@ -52,7 +54,8 @@ def restore_inference_state(
         elif step not in steps:
             raise FileNotFoundError(f"{directory}: no checkpoint at step {step}; there are {steps}")
         tree = manager.item_metadata(step)["state"].tree
-        wanted = {key: tree[key] for key in ("params", "model_state")}
+        params = "ema_params" if "ema_params" in tree else "params"
+        wanted = {key: tree[key] for key in (params, "model_state")}
         restored = manager.restore(
             step,
             args=ocp.args.Composite(
@@ -69,7 +72,7 @@ def restore_inference_state(
     finally:
         manager.close()
     state = restored.state
-    return step, {"params": state["params"], **state["model_state"]}, restored.meta
+    return step, {"params": state[params], **state["model_state"]}, restored.meta
 
 
 def dataset_class_names(dataset: dict[str, Any]) -> list[str] | None:

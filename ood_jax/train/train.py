@@ -5,9 +5,16 @@ started on a workdir with checkpoints resumes from the newest one, with the same
 continues to `config.total_steps`.
 
 `setup` builds what training and evaluation share (an `Experiment`: mesh, data, model, optimizer,
-the state's layout) and creates no parameters. A fresh run then has its stages in order: backbone
-pretraining when `config.pretrain.steps` asks for it (also its own command, `ood-jax pretrain`),
-the initial state, the starting backbone weights. Evaluation only restores a checkpoint.
+the state's layout) and creates no parameters. Its data-free part, a `StepLayout`
+(`build_layout`), is all the jitted steps are built from (`jit_train_step`, `jit_predict_step`),
+so they can be lowered for other platforms without a dataset or a run (tests/test_lowering.py).
+A fresh run then has its stages in order: backbone pretraining when `config.pretrain.steps` asks
+for it (also its own command, `ood-jax pretrain`), the initial state, the starting backbone
+weights. Evaluation only restores a checkpoint.
+
+With `config.ema_decay` > 0 the state also keeps an exponential moving average of the
+parameters (`EmaTrainState`, `optim.update_ema`), updated in the train step, saved in the
+checkpoints, and used by evaluation and export in place of the parameters.
 
 A workdir keeps the config its checkpoints were trained with (config.json); `train` and
 `evaluate` refuse another one by field (`config_checks.check_resume`). A damaged newest checkpoint
@@ -59,6 +66,24 @@ class TrainState:
     params: Any
     model_state: Any  # non-trained collections, e.g. frozen BatchNorm statistics
     opt_state: Any
+
+
+@flax.struct.dataclass
+class EmaTrainState(TrainState):
+    """A TrainState that also keeps an exponential moving average of the parameters
+    (`config.ema_decay`, see `optim.update_ema`), which evaluation and export use.
+
+    A subclass rather than an optional field, so that a run without EMA keeps the state, and
+    the checkpoints, it always had: orbax restores a tree only into the same structure.
+    """
+
+    ema_params: Any  # float32, laid out as `params`
+
+
+def evaluated_params(state: TrainState) -> Any:
+    """The parameters evaluation uses (and export writes, see export.py): the EMA ones when
+    the state keeps them."""
+    return state.ema_params if isinstance(state, EmaTrainState) else state.params
 
 
 class NonFiniteLossError(RuntimeError):
@@ -120,23 +145,41 @@ class CompiledOnFirstCall:
         return self._compiled(*args)
 
 
-def create_train_state(model, optimizer, rng, image_shape):
-    """Initial state; jitted with out_shardings so it is born sharded."""
+def create_train_state(model, optimizer, rng, image_shape, *, ema: bool = False):
+    """Initial state; jitted with out_shardings so it is born sharded. With `ema`, an
+    EmaTrainState whose average starts at the initial parameters (as timm's and detrex's do)."""
     images = jnp.zeros((1, *image_shape), jnp.float32)
     mask = jnp.ones((1, *image_shape[:2]), bool)
     variables = model.init({"params": rng, "dropout": rng}, images, mask, train=False)
     params = variables["params"]
     model_state = {k: v for k, v in variables.items() if k != "params"}
-    return TrainState(
+    state = TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
         model_state=model_state,
         opt_state=optimizer.init(params),
     )
+    if not ema:
+        return state
+    return EmaTrainState(**_fields(state), ema_params=optim.init_ema(params))
 
 
-def train_step(state: TrainState, batch, rng, *, loss_fn: registry.LossFn, optimizer):
-    """Forward, matching, loss, backward, update: one pure function."""
+def _fields(state: TrainState) -> dict[str, Any]:
+    return {field.name: getattr(state, field.name) for field in dataclasses.fields(TrainState)}
+
+
+def train_step(
+    state: TrainState,
+    batch,
+    rng,
+    *,
+    loss_fn: registry.LossFn,
+    optimizer,
+    ema_decay: float = 0.0,
+    ema_warmup: bool = True,
+):
+    """Forward, matching, loss, backward, update: one pure function. With `ema_decay` (an
+    EmaTrainState), the parameters' moving average follows the update (`optim.update_ema`)."""
     rng = jax.random.fold_in(rng, state.step)
 
     def loss_of(params):
@@ -147,34 +190,49 @@ def train_step(state: TrainState, batch, rng, *, loss_fn: registry.LossFn, optim
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
+    if ema_decay:
+        ema = optim.update_ema(
+            state.ema_params, params, state.step, decay=ema_decay, warmup=ema_warmup
+        )
+        state = state.replace(ema_params=ema)
     state = state.replace(
         step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state
     )
     return state, metrics
 
 
-def jit_train_step(config: ml_collections.ConfigDict, experiment: Experiment):
+def jit_train_step(config: ml_collections.ConfigDict, layout: StepLayout):
     """`train_step` jitted on the run's shardings, the state's buffers donated."""
     return jax.jit(
         functools.partial(
             train_step,
-            loss_fn=registry.family(config.model.name).make_loss(config, experiment.model),
-            optimizer=experiment.optimizer,
+            loss_fn=registry.family(config.model.name).make_loss(config, layout.model),
+            optimizer=layout.optimizer,
+            ema_decay=config.get("ema_decay", 0.0) or 0.0,
+            ema_warmup=config.get("ema_warmup", True),
         ),
-        in_shardings=(experiment.state_sharding, experiment.data_sharding, None),
-        out_shardings=(experiment.state_sharding, None),
+        in_shardings=(layout.state_sharding, layout.data_sharding, None),
+        out_shardings=(layout.state_sharding, None),
         donate_argnums=(0,),
     )
 
 
 def predict_step(state: TrainState, batch, *, model):
     outputs = model.apply(
-        {"params": state.params, **state.model_state},
+        {"params": evaluated_params(state), **state.model_state},
         batch["image"],
         batch["image_mask"],
         train=False,
     )
     return registry.family_of(model).postprocess(outputs)
+
+
+def jit_predict_step(layout: StepLayout):
+    """`predict_step` jitted on the run's shardings: (state, batch) -> detections."""
+    return jax.jit(
+        functools.partial(predict_step, model=layout.model),
+        in_shardings=(layout.state_sharding, layout.data_sharding),
+    )
 
 
 def load_pretrained_backbone(
@@ -209,23 +267,81 @@ def load_pretrained_backbone(
             f"config.model.backbone_weights: {path} does not fit backbone "
             f"{model_args.backbone!r} (shapes differ)"
         )
-    return jax.device_put(loaded, state_sharding)
+    if isinstance(state, EmaTrainState):  # step 0: the average is the weights it starts from
+        loaded = loaded.replace(ema_params=optim.init_ema(params))
+    # Copies, never aliases: the train step donates params and ema_params, each buffer once.
+    return jax.device_put(loaded, state_sharding, may_alias=False)
 
 
 @dataclasses.dataclass(frozen=True)
-class Experiment:
-    """What training and evaluating one config share, built once by `setup`."""
+class StepLayout:
+    """What the jitted steps are built from: mesh, model, optimizer and the state's layout;
+    no data and no parameters (`build_layout`)."""
 
     mesh: jax.sharding.Mesh
     data_sharding: jax.sharding.NamedSharding
-    builder: tfds.core.DatasetBuilder
-    splits: Mapping[str, str]  # "train", "iid" and each held-out domain -> TFDS split
-    steps_per_epoch: float
     model: nn.Module
     optimizer: optax.GradientTransformation
     schedules: Mapping[str, optax.Schedule]  # optimizer group -> learning rate schedule
     abstract_state: TrainState  # shapes, dtypes and shardings, no buffers
     state_sharding: Any
+
+
+def _image_shape(config: ml_collections.ConfigDict) -> tuple[int, int, int]:
+    return (config.input.image_size, config.input.image_size, 3)
+
+
+def build_layout(
+    config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, steps_per_epoch: float
+) -> StepLayout:
+    """The model, optimizer and state layout `config` describes on `mesh`, shapes only.
+
+    EMA parameters (`config.ema_decay`) are laid out as the parameters are, whatever the
+    partition rules say of their names: the average is then an update without communication.
+    """
+    model = registry.build_model(config.model)
+    image_shape = _image_shape(config)
+    rng = jax.random.key(config.seed)  # shapes only: no value is drawn
+    abstract_params = jax.eval_shape(
+        lambda r: model.init(
+            {"params": r, "dropout": r},
+            jnp.zeros((1, *image_shape)),
+            jnp.ones((1, *image_shape[:2]), bool),
+            train=False,
+        )["params"],
+        rng,
+    )
+    optimizer, schedules = optim.make_optimizer(config.optim, abstract_params, steps_per_epoch)
+    ema = config_checks.ema_enabled(config)
+    shapes = jax.eval_shape(
+        functools.partial(create_train_state, model, optimizer, image_shape=image_shape, ema=ema),
+        rng,
+    )
+    rules = config.partition_rules
+    state_sharding = sharding.tree_shardings(TrainState(**_fields(shapes)), mesh, rules)
+    if ema:
+        state_sharding = EmaTrainState(**_fields(state_sharding), ema_params=state_sharding.params)
+    abstract_state = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, state_sharding
+    )
+    return StepLayout(
+        mesh=mesh,
+        data_sharding=sharding.batch_sharding(mesh),
+        model=model,
+        optimizer=optimizer,
+        schedules=schedules,
+        abstract_state=abstract_state,
+        state_sharding=state_sharding,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment(StepLayout):
+    """What training and evaluating one config share, built once by `setup`."""
+
+    builder: tfds.core.DatasetBuilder
+    splits: Mapping[str, str]  # "train", "iid" and each held-out domain -> TFDS split
+    steps_per_epoch: float
     init_rng: jax.Array
     train_rng: jax.Array
     checkpointer: checkpoint.Checkpointer
@@ -242,65 +358,34 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> Experimen
     tf.config.set_visible_devices([], "GPU")
 
     mesh = sharding.make_mesh(config.mesh)
-    data_sharding = sharding.batch_sharding(mesh)
-
     builder = load_builder(config.dataset)
     splits = experiment_splits(config.dataset)
     num_train = builder.info.splits[splits["train"]].num_examples
     steps_per_epoch = num_train / config.input.batch_size
-
-    model = registry.build_model(config.model)
+    layout = build_layout(config, mesh, steps_per_epoch)
     init_rng, train_rng = jax.random.split(jax.random.key(config.seed))
-    image_shape = (config.input.image_size, config.input.image_size, 3)
-
-    abstract_params = jax.eval_shape(
-        lambda r: model.init(
-            {"params": r, "dropout": r},
-            jnp.zeros((1, *image_shape)),
-            jnp.ones((1, *image_shape[:2]), bool),
-            train=False,
-        )["params"],
-        init_rng,
-    )
-    optimizer, schedules = optim.make_optimizer(config.optim, abstract_params, steps_per_epoch)
-    shapes = jax.eval_shape(
-        functools.partial(create_train_state, model, optimizer, image_shape=image_shape), init_rng
-    )
-    state_sharding = sharding.tree_shardings(shapes, mesh, config.partition_rules)
-    abstract_state = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, state_sharding
-    )
     return Experiment(
-        mesh=mesh,
-        data_sharding=data_sharding,
+        **{field.name: getattr(layout, field.name) for field in dataclasses.fields(layout)},
         builder=builder,
         splits=splits,
         steps_per_epoch=steps_per_epoch,
-        model=model,
-        optimizer=optimizer,
-        schedules=schedules,
-        abstract_state=abstract_state,
-        state_sharding=state_sharding,
         init_rng=init_rng,
         train_rng=train_rng,
         checkpointer=checkpoint.Checkpointer(
             workdir, every_steps=config.checkpoint_every, keep=config.keep_checkpoints
         ),
-        predict=CompiledOnFirstCall(
-            jax.jit(
-                functools.partial(predict_step, model=model),
-                in_shardings=(state_sharding, data_sharding),
-            ),
-            "predict step",
-        ),
+        predict=CompiledOnFirstCall(jit_predict_step(layout), "predict step"),
     )
 
 
 def initial_state(config: ml_collections.ConfigDict, experiment: Experiment) -> TrainState:
     """A fresh state, born sharded (`jax.jit` with out_shardings)."""
-    image_shape = (config.input.image_size, config.input.image_size, 3)
     init = functools.partial(
-        create_train_state, experiment.model, experiment.optimizer, image_shape=image_shape
+        create_train_state,
+        experiment.model,
+        experiment.optimizer,
+        image_shape=_image_shape(config),
+        ema=config_checks.ema_enabled(config),
     )
     return jax.jit(init, out_shardings=experiment.state_sharding)(experiment.init_rng)
 
