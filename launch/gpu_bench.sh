@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# DETR-R50 train and eval step times on one GPU, float32 and bfloat16, as one table.
+# DETR-R50 train and eval step times on one GPU, float32 and bfloat16, as one table, then the
+# OODBench scorers' seconds per 1,000 images.
 #
 # Runs bench/detr_train_step.py --no-torch once per dtype (random weights and input, no data or
-# checkpoint needed; torch is not imported). Each run is capped at TIMEOUT seconds, so the whole
-# script, compiles included, stays within about 5 minutes on one H200.
+# checkpoint needed; torch is not imported), then bench/paper_scorers.py --no-torch (torch only
+# builds the random weights on the host). Each run is capped at TIMEOUT / SCORER_TIMEOUT seconds,
+# so the whole script, compiles included, stays within about 10 minutes on one H200.
 set -euo pipefail
 
 usage() {
@@ -18,6 +20,7 @@ usage: launch/gpu_bench.sh [--batch B] [--size S] [--steps N] [--warmup W]
     PYTHON       interpreter (default .venv/bin/python if present, else python3)
     TIMEOUT      seconds per dtype run (default 140)
     ALLOW_CPU=1  run even when JAX sees no GPU (to test this script)
+    SKIP_SCORERS=1  leave out the scorer timings (bench/paper_scorers.py); SCORER_TIMEOUT (300)
 EOF
 }
 
@@ -99,3 +102,18 @@ for dtype in float32 bfloat16; do
                 batch / train, infer, batch / infer, compile_train, compile_predict
         }' "$logs/$dtype.out"
 done
+
+# OODBench's scorers at their published sizes: seconds per 1,000 images (image towers only).
+# torch builds the random weights on the host and is not timed (--no-torch).
+if [[ ${SKIP_SCORERS:-0} != 1 ]]; then
+    echo
+    echo "== scorers: CLIP ViT-L/14, BLIP-2 ViT-g, GroupViT, LiT-L16L image tower (batch 32)"
+    timeout "${SCORER_TIMEOUT:-300}" "$python" bench/paper_scorers.py --no-torch --batch 32 \
+        --steps 5 --warmup 1 >"$logs/scorers.out" 2>"$logs/scorers.err" || {
+        status=$?
+        tail -n 20 "$logs/scorers.err" >&2
+        [[ $status == 124 ]] && echo "error: scorers exceeded SCORER_TIMEOUT=${SCORER_TIMEOUT:-300} s" >&2
+        exit "$status"
+    }
+    cat "$logs/scorers.out"
+fi
