@@ -46,7 +46,11 @@ def _coco_eval(args: argparse.Namespace) -> None:
     if not isinstance(detections, list):
         raise SystemExit(f"error: {args.detections} must hold a list of detections")
     try:
-        result = coco.evaluate_detailed(gt, detections)
+        ground_truth = coco.GroundTruth.from_coco(gt)
+    except ValueError as e:
+        raise SystemExit(f"error: {args.gt}: {e}") from None
+    try:
+        result = coco.evaluate_detailed(ground_truth, detections)
     except ValueError as e:
         raise SystemExit(f"error: {args.detections}: {e}") from None
     print(result.table())
@@ -54,10 +58,8 @@ def _coco_eval(args: argparse.Namespace) -> None:
         out = {
             "stats": result.stats,
             "per_category_ap": {
-                name: result.per_category_ap[int(cid)]
-                for cid, name in zip(
-                    coco.GroundTruth.from_coco(gt).category_ids, result.category_names
-                )
+                name: result.per_category_ap[cid.item()]
+                for cid, name in zip(ground_truth.category_ids, result.category_names)
             },
         }
         files.write_json_atomic(args.json, out)

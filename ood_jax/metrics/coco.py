@@ -8,6 +8,21 @@ truth and takes the last of equal-IoU candidates; stable ordering of tied scores
 area from the annotation's `area` field and detection area from w*h; the 101-point
 interpolated precision and -1 for categories without ground truth.
 
+Ids are compared and ordered as pycocotools does: it keys dicts by them and sorts them, so 3
+and 3.0 are one id, 1.25 and 1.75 two, and string ids (as KerasCV writes image ids) sort as
+strings, "10" before "9": the image order decides where tied scores of different images fall
+in the precision curve. What pycocotools cannot sort (a mix of numbers and strings) or only
+reads by accident is an error naming the record, the field and the id:
+  * an id that is neither a number nor a string, or NaN;
+  * an image_id or category_id of an annotation or detection that the ground truth does not
+    list, also where only the kind differs (1 for "1"): pycocotools drops or refuses those;
+  * an annotation id that is not a number: pycocotools writes the matched ground truth's id
+    into a float array, where 0 reads as unmatched (kept here) and a string only works if
+    numpy happens to parse it;
+  * an annotation id used twice (a converter numbering from 1 in every image): pycocotools'
+    loadAnns returns the last annotation with that id for each of them, so the others vanish
+    and the last counts several times; no number is worth reporting for that.
+
 How it stays fast without per-detection Python loops:
   * all (detection, ground truth) pairs of an (image, category) group are formed at once and
     only pairs with IoU >= 0.5 can ever match, so the rest are dropped;
@@ -79,8 +94,8 @@ _AREA_HI = np.array([hi for _, hi in AREA_RANGES.values()])
 class GroundTruth:
     """A COCO ground-truth file as arrays; parse once, evaluate many times."""
 
-    image_ids: np.ndarray  # [I] sorted unique image ids
-    category_ids: np.ndarray  # [K] sorted unique category ids
+    image_ids: np.ndarray  # [I] unique image ids in pycocotools' order (int64, float64 or str)
+    category_ids: np.ndarray  # [K] the same for category ids
     category_names: tuple[str, ...]
     # Annotations ordered by (image, category) group, file order inside a group.
     image_index: np.ndarray  # [G]
@@ -88,33 +103,40 @@ class GroundTruth:
     boxes: np.ndarray  # [G, 4] absolute xywh, float64
     area: np.ndarray  # [G] the annotation's `area` field
     is_crowd: np.ndarray  # [G] bool
-    annotation_ids: np.ndarray  # [G]
+    annotation_ids: np.ndarray  # [G] unique, int64 or float64
 
     @classmethod
     def from_coco(cls, gt: Mapping[str, Any]) -> "GroundTruth":
         for field in ("images", "annotations", "categories"):
             if field not in gt:
                 raise ValueError(f"ground truth has no '{field}' list")
-        image_ids = np.array([im["id"] for im in gt["images"]], dtype=np.int64)
-        categories = sorted(gt["categories"], key=operator.itemgetter("id"))
-        anns = gt["annotations"]
+        images, categories, anns = gt["images"], gt["categories"], gt["annotations"]
+        try:
+            image_ids = [im["id"] for im in images]
+        except (KeyError, TypeError) as e:
+            raise ValueError(_malformed(images, "image", ("id",), e)) from None
+        try:
+            category_ids = [c["id"] for c in categories]
+            category_names = [str(c.get("name", c["id"])) for c in categories]
+        except (KeyError, TypeError) as e:
+            raise ValueError(_malformed(categories, "category", ("id",), e)) from None
         n = len(anns)
         try:
-            ann_image = np.fromiter((a["image_id"] for a in anns), np.int64, n)
-            ann_category = np.fromiter((a["category_id"] for a in anns), np.int64, n)
+            ann_image = [a["image_id"] for a in anns]
+            ann_category = [a["category_id"] for a in anns]
+            ann_ids = [a["id"] for a in anns]
             boxes = _boxes_array([a["bbox"] for a in anns], "annotation")
             area = np.fromiter(
                 (a.get("area", a["bbox"][2] * a["bbox"][3]) for a in anns), np.float64, n
             )
             crowd = np.fromiter((bool(a.get("iscrowd", 0)) for a in anns), bool, n)
-            ann_ids = np.fromiter((a["id"] for a in anns), np.int64, n)
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(
                 _malformed(anns, "annotation", ("image_id", "category_id", "bbox", "id"), e)
             ) from None
         return cls.from_arrays(
             image_ids=image_ids,
-            categories=[(int(c["id"]), str(c.get("name", c["id"]))) for c in categories],
+            categories=list(zip(category_ids, category_names)),
             annotation_image_ids=ann_image,
             annotation_category_ids=ann_category,
             boxes=boxes,
@@ -128,7 +150,7 @@ class GroundTruth:
         cls,
         *,
         image_ids: np.ndarray,
-        categories: Sequence[tuple[int, str]],
+        categories: Sequence[tuple[Any, str]],
         annotation_image_ids: np.ndarray,
         annotation_category_ids: np.ndarray,
         boxes: np.ndarray,
@@ -138,31 +160,48 @@ class GroundTruth:
     ) -> "GroundTruth":
         """The ground truth from arrays, one row per annotation (boxes absolute xywh), as a
         dataset reader has them: no COCO dicts in between. `categories` is (id, name) pairs."""
-        image_ids = np.unique(np.asarray(image_ids, np.int64))
-        categories = sorted(categories)
-        category_ids = np.array([c for c, _ in categories], dtype=np.int64)
-        if len(np.unique(category_ids)) != len(category_ids):
-            raise ValueError("ground truth lists a category id twice")
+        image_ids = np.unique(_ids(image_ids, "image", "id"))
+        category_ids = _ids([c for c, _ in categories], "category", "id")
+        category_order = np.argsort(category_ids, kind="stable")
+        category_ids = category_ids[category_order]
+        _check_unique(category_ids, category_order, "category", "give each its own id")
         boxes = np.asarray(boxes, np.float64).reshape(-1, 4)
         area = np.asarray(area, np.float64)
+        # pycocotools writes a matched annotation's id into a float array: numbers only.
+        annotation_ids = _ids(annotation_ids, "annotation", "id", numbers_only=True)
+        by_id = np.argsort(annotation_ids, kind="stable")
+        _check_unique(
+            annotation_ids[by_id],
+            by_id,
+            "annotation",
+            "pycocotools would evaluate the last annotation of each id once for every annotation"
+            " with that id and drop the others; give each annotation its own id (e.g. number"
+            " them 1, 2, ... in file order)",
+        )
         image_index = _index_of(
-            np.asarray(annotation_image_ids, np.int64), image_ids, "annotation", "image_id"
+            _ids(annotation_image_ids, "annotation", "image_id"),
+            image_ids,
+            "annotation",
+            "image_id",
         )
         category_index = _index_of(
-            np.asarray(annotation_category_ids, np.int64), category_ids, "annotation", "category_id"
+            _ids(annotation_category_ids, "annotation", "category_id"),
+            category_ids,
+            "annotation",
+            "category_id",
         )
         _check_finite_positive(boxes, "annotation", area)
         order = np.argsort(image_index * len(category_ids) + category_index, kind="stable")
         return cls(
             image_ids=image_ids,
             category_ids=category_ids,
-            category_names=tuple(name for _, name in categories),
+            category_names=tuple(categories[i][1] for i in category_order),
             image_index=image_index[order],
             category_index=category_index[order],
             boxes=boxes[order],
             area=area[order],
             is_crowd=np.asarray(is_crowd, bool)[order],
-            annotation_ids=np.asarray(annotation_ids, np.int64)[order],
+            annotation_ids=annotation_ids[order],
         )
 
     @property
@@ -184,9 +223,9 @@ class GroundTruth:
         return h.hexdigest()
 
 
+# The ground truth's ids as it has them (`_ids`); saved narrowed when they are integers.
+_ID_FIELDS = ("image_ids", "category_ids")
 _INDEX_FIELDS = (
-    "image_ids",
-    "category_ids",
     "num_positive",
     "image",
     "category",
@@ -234,7 +273,7 @@ class Matches:
         """The fields as arrays (for np.savez), indices in the narrowest dtype that holds them;
         `from_saved` reads them back."""
         out = {f.name: np.asarray(getattr(self, f.name)) for f in dataclasses.fields(self)}
-        for name in _INDEX_FIELDS:
+        for name in _INDEX_FIELDS + tuple(n for n in _ID_FIELDS if out[n].dtype.kind == "i"):
             out[name] = _narrow(out[name])
         return out
 
@@ -247,6 +286,11 @@ class Matches:
                 raise ValueError(f"{source}: missing field '{field.name}'")
             values[field.name] = np.asarray(arrays[field.name])
         values["ground_truth"] = str(values["ground_truth"])
+        for name in _ID_FIELDS:
+            if values[name].dtype.kind not in "iufU":
+                raise ValueError(f"{source}: field '{name}' is {values[name].dtype}, not ids")
+            if values[name].dtype.kind in "iu":
+                values[name] = values[name].astype(np.int64)
         for name in _INDEX_FIELDS:
             if values[name].dtype.kind not in "iu":
                 raise ValueError(f"{source}: field '{name}' is {values[name].dtype}, not integers")
@@ -301,7 +345,7 @@ class Matches:
 @dataclasses.dataclass(frozen=True)
 class CocoEvalResult:
     stats: dict[str, float]
-    per_category_ap: dict[int, float]  # category id -> AP@[.5:.95], -1 without ground truth
+    per_category_ap: dict[Any, float]  # category id -> AP@[.5:.95], -1 without ground truth
     precision: np.ndarray  # [T, R, K, A] at maxDets=100 (pycocotools' eval['precision'][..., -1])
     recall: np.ndarray  # [T, K, A, M]
     category_names: tuple[str, ...] = ()
@@ -324,15 +368,21 @@ def evaluate_detailed(
     gt = gt if isinstance(gt, GroundTruth) else GroundTruth.from_coco(gt)
     n = len(detections)
     try:
-        image_id = np.fromiter(map(operator.itemgetter("image_id"), detections), np.int64, n)
-        category_id = np.fromiter(map(operator.itemgetter("category_id"), detections), np.int64, n)
+        image_id = list(map(operator.itemgetter("image_id"), detections))
+        category_id = list(map(operator.itemgetter("category_id"), detections))
         score = np.fromiter(map(operator.itemgetter("score"), detections), np.float64, n)
+        boxes = list(map(operator.itemgetter("bbox"), detections))
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(
-            _malformed(detections, "detection", ("image_id", "category_id", "score"), e)
+            _malformed(detections, "detection", ("image_id", "category_id", "score", "bbox"), e)
         ) from None
-    boxes = _boxes_array(list(map(operator.itemgetter("bbox"), detections)), "detection")
-    return _evaluate(gt, image_id, category_id, boxes, score)
+    return _evaluate(
+        gt,
+        _ids(image_id, "detection", "image_id"),
+        _ids(category_id, "detection", "category_id"),
+        _boxes_array(boxes, "detection"),
+        score,
+    )
 
 
 def evaluate_arrays(
@@ -351,8 +401,8 @@ def evaluate_arrays(
     gt = gt if isinstance(gt, GroundTruth) else GroundTruth.from_coco(gt)
     boxes = np.asarray(boxes, np.float64)
     scores = np.asarray(scores, np.float64)
-    labels = np.asarray(labels, np.int64)
-    image_ids = np.asarray(image_ids, np.int64)
+    labels = np.asarray(labels)
+    image_ids = np.asarray(image_ids)
     if (
         boxes.ndim != 3
         or boxes.shape[-1] != 4
@@ -367,7 +417,13 @@ def evaluate_arrays(
         raise ValueError(f"image_ids has shape {image_ids.shape}, expected ({scores.shape[0]},)")
     valid = np.ones(scores.shape, bool) if valid is None else np.asarray(valid, bool)
     image_id = np.broadcast_to(image_ids[:, None], scores.shape)[valid]
-    return _evaluate(gt, image_id, labels[valid], boxes[valid], scores[valid])
+    return _evaluate(
+        gt,
+        _ids(image_id, "detection", "image_id"),
+        _ids(labels[valid], "detection", "category_id"),
+        boxes[valid],
+        scores[valid],
+    )
 
 
 def format_table(stats: Mapping[str, float]) -> str:
@@ -387,15 +443,13 @@ def format_table(stats: Mapping[str, float]) -> str:
 # Input checks.
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
 def _malformed(records: Sequence[Any], what: str, fields: Sequence[str], error: Exception) -> str:
-    """The message for the first record that lacks one of `fields` or holds a non-number there
-    (bbox: a list of numbers)."""
-
-    def number(value) -> bool:
-        return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
-            value, bool
-        )
-
+    """The message for the first record that lacks one of `fields` or holds a non-number in one
+    that is not an id (`_ids` checks those; bbox: a list of numbers)."""
     for i, record in enumerate(records):
         if not isinstance(record, Mapping):
             return f"{what} {i}: expected an object, got {type(record).__name__}"
@@ -404,13 +458,72 @@ def _malformed(records: Sequence[Any], what: str, fields: Sequence[str], error: 
                 return f"{what} {i}: missing field '{field}'"
             value = record[field]
             ok = (
-                all(map(number, value))
-                if field == "bbox" and isinstance(value, list)
-                else (number(value))
+                field in ("id", "image_id", "category_id")
+                or (field == "bbox" and isinstance(value, list) and all(map(_number, value)))
+                or _number(value)
             )
             if not ok:
                 return f"{what} {i}: field '{field}' is {value!r}, expected a number"
     return f"{what}s: malformed field ({error!r})"
+
+
+def _ids(values, what: str, field: str, numbers_only: bool = False) -> np.ndarray:
+    """Each record's `field` (`values`, a list or array) as pycocotools compares and orders it:
+    integers and floats equal to one as int64 (3.0 is the dict key 3), other numbers as float64,
+    strings as str. Anything else, NaN, and a mix of numbers and strings (which pycocotools
+    cannot sort) raise, naming the first record at fault."""
+    try:
+        array = np.asarray(values)
+    except (ValueError, TypeError):  # ragged: some value is a sequence
+        array = np.empty(0, object)
+    kind = array.dtype.kind if array.ndim == 1 else "O"
+    if kind == "U" and not numbers_only:
+        # A list that mixes numbers and strings reads as strings; the first record sets the kind.
+        if isinstance(values, np.ndarray):
+            return array
+        first = isinstance(values[0], str)
+        other = next((i for i, v in enumerate(values) if isinstance(v, str) != first), None)
+        if other is None:
+            return array
+        kinds = ("a number", "a string") if first else ("a string", "a number")
+        raise ValueError(
+            f"{what} {other}: {field} {values[other]!r} is {kinds[0]} but {what} 0's is"
+            f" {kinds[1]} ({values[0]!r}); give every {field} as a number or every one as a string"
+        )
+    if kind == "f":
+        bad = np.flatnonzero(~np.isfinite(array))
+        if len(bad):
+            raise ValueError(f"{what} {bad[0]}: {field} {values[bad[0]]!r} is not a finite number")
+        integral = np.abs(array).max(initial=0) < 2**63 and np.all(array == np.floor(array))
+        return array.astype(np.int64) if integral else array
+    if kind in "iu" and (kind == "i" or array.max(initial=0) < 2**63):
+        return array.astype(np.int64, copy=False)
+    expected = "a number" if numbers_only else "a number or a string"
+    for i, v in enumerate(values):
+        if isinstance(v, str) and not numbers_only:
+            continue
+        if not _number(v):
+            raise ValueError(f"{what} {i}: {field} {v!r} is not {expected}")
+        if isinstance(v, (int, np.integer)) and not -(2**63) <= v < 2**63:
+            raise ValueError(f"{what} {i}: {field} {v!r} is outside the int64 range")
+    raise ValueError(f"{what}s: {field} values of kind {array.dtype} are not ids")
+
+
+def _check_unique(sorted_ids: np.ndarray, order: np.ndarray, what: str, why: str) -> None:
+    """A repeated id is an error naming its first repeat, the record it repeats and the others,
+    and `why` it matters; `order` (stable) sorts the records into `sorted_ids`."""
+    repeat = np.flatnonzero(sorted_ids[1:] == sorted_ids[:-1]) + 1
+    if not len(repeat):
+        return
+    first = repeat[np.argmin(order[repeat])]
+    value = sorted_ids[first]
+    original = order[np.searchsorted(sorted_ids, value)]
+    ids = np.unique(sorted_ids[repeat]).tolist()
+    shown = ", ".join(map(repr, ids[:5])) + (f", ... ({len(ids)} in all)" if len(ids) > 5 else "")
+    raise ValueError(
+        f"{what} {order[first]}: id {value.item()!r} is also the id of {what} {original}"
+        f" (ids used more than once: {shown}); {why}"
+    )
 
 
 def _boxes_array(boxes: list, what: str) -> np.ndarray:
@@ -427,11 +540,24 @@ def _boxes_array(boxes: list, what: str) -> np.ndarray:
 
 
 def _index_of(ids: np.ndarray, known: np.ndarray, what: str, field: str) -> np.ndarray:
-    index = np.searchsorted(known, ids).clip(0, max(len(known) - 1, 0))
-    bad = np.flatnonzero(known[index] != ids) if len(known) else np.arange(len(ids))
+    """Positions of `ids` in the sorted `known` (both from `_ids`); an id not there raises."""
+    if not len(ids):
+        return np.zeros(0, np.int64)
+    if not len(known):
+        bad = np.arange(len(ids))
+    elif (ids.dtype.kind == "U") != (known.dtype.kind == "U"):
+        # pycocotools' dicts tell 1 from "1"; say which one the ground truth holds.
+        kind = "strings" if known.dtype.kind == "U" else "numbers"
+        raise ValueError(
+            f"{what} 0: {field} {ids[0].item()!r} is not in the ground truth, whose ids are"
+            f" {kind} (e.g. {known[0].item()!r}; {len(ids)} {what}s affected)"
+        )
+    else:
+        index = np.searchsorted(known, ids).clip(0, len(known) - 1)
+        bad = np.flatnonzero(known[index] != ids)
     if len(bad):
         raise ValueError(
-            f"{what} {bad[0]}: {field} {ids[bad[0]]} is not in the ground truth"
+            f"{what} {bad[0]}: {field} {ids[bad[0]].item()!r} is not in the ground truth"
             f" ({len(bad)} {what}s affected)"
         )
     return index
@@ -471,7 +597,7 @@ def _evaluate(gt: GroundTruth, image_id, category_id, boxes, score) -> CocoEvalR
     per_category = {}
     for k, category in enumerate(gt.category_ids):
         p = precision[:, :, k, 0]
-        per_category[int(category)] = float(np.mean(p[p > -1])) if (p > -1).any() else -1.0
+        per_category[category.item()] = float(np.mean(p[p > -1])) if (p > -1).any() else -1.0
     return CocoEvalResult(
         stats=stats,
         per_category_ap=per_category,
