@@ -16,6 +16,7 @@ from PIL import Image
 
 from ood_jax import datasets
 from ood_jax.data import building
+from ood_jax.data import oodbench as oodbench_source
 from tfds_builders.oodbench import oodbench_dataset_builder as oodbench
 
 CATEGORIES = {1: "cat", 2: "dog", 3: "traffic light", 4: "zebra", 5: "person"}
@@ -284,6 +285,45 @@ def test_lvis_source(tmp_path):
     questions = {r["question"].decode() for rs in records.values() for r in rs}
     assert "Does this image contain a baseball bat? (yes or no)" in questions
     assert builder.report.notes[oodbench.UNKNOWN_PRESENCE] == 1
+
+
+def test_lvis_images_from_both_coco_folders(tmp_path):
+    # LVIS v1 val takes images from COCO train2017 and val2017: SRC/images/ may hold the two
+    # folders side by side, found through each image's coco_url; a flat file still comes first.
+    root = tmp_path / "lvis"
+    categories = [{"id": 1, "name": "kite", "synonyms": ["kite"]}]
+    url = "http://images.cocodataset.org/{}/{:012d}.jpg"
+    folders = {201: "train2017", 202: "val2017", 203: "val2017"}
+    images = [
+        {
+            "id": i,
+            "coco_url": url.format(f, i),
+            "neg_category_ids": [],
+            "not_exhaustive_category_ids": [],
+        }
+        for i, f in folders.items()
+    ]
+    _write_image(root / "images" / "train2017" / f"{201:012d}.jpg", 1)
+    _write_image(root / "images" / "val2017" / f"{202:012d}.jpg", 2)
+    _write_image(root / "images" / f"{203:012d}.jpg", 3)  # flat
+    _write_image(root / "images" / "train2017" / f"{203:012d}.jpg", 4)  # not this one
+    annotations = [
+        {"id": k, "image_id": i, "category_id": 1, "bbox": [1, 1, 3, 3]}
+        for k, i in enumerate(folders, start=1)
+    ]
+    data = {"images": images, "annotations": annotations, "categories": categories}
+    (root / "annotations.json").write_text(json.dumps(data))
+    _, _, read = oodbench_source.read_annotations(root / "annotations.json")
+    paths = {i: oodbench_source.image_path(root / "images", read[i]) for i in folders}
+    assert paths == {
+        201: root / "images" / "train2017" / f"{201:012d}.jpg",
+        202: root / "images" / "val2017" / f"{202:012d}.jpg",
+        203: root / "images" / f"{203:012d}.jpg",
+    }
+    _write_splits(root, [(201, "kite", "ID"), (202, "kite", "OOD-S"), (203, "kite", "OOD-H")])
+    _build(root, tmp_path / "data")
+    records = _read(tmp_path / "data", "default")
+    assert {int(r["image/id"]) for rs in records.values() for r in rs} == set(folders)
 
 
 def _replace_line(number: int, text: str):

@@ -30,6 +30,8 @@ def category_text(name: str) -> str:
 class AnnotatedImage:
     id: int
     file_name: str
+    # The COCO folder coco_url names ("train2017", "val2017"): LVIS v1 val draws images from both.
+    folder: str | None = None
     counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     crowd: set[int] = dataclasses.field(default_factory=set)
     not_exhaustive: set[int] = dataclasses.field(default_factory=set)
@@ -66,10 +68,22 @@ def _int_id(value: Any, where: str) -> int:
     return value
 
 
-def _file_name_from_url(url: Any) -> str | None:
+def _url_path(url: Any) -> pathlib.PurePosixPath | None:
     if not isinstance(url, str):
         return None
-    return pathlib.PurePosixPath(urllib.parse.urlparse(url).path).name or None
+    path = pathlib.PurePosixPath(urllib.parse.urlparse(url).path)
+    return path if path.name else None
+
+
+def image_path(images_dir: pathlib.Path, image: AnnotatedImage) -> pathlib.Path:
+    """Where an image's file is: `images_dir/<file_name>`, or, where that is missing and
+    coco_url names a folder, `images_dir/<folder>/<file_name>` (COCO's train2017/ and val2017/
+    side by side, as LVIS v1 val needs both). The first when neither exists, for the error."""
+    flat = images_dir / image.file_name
+    if image.folder is None or flat.exists():
+        return flat
+    nested = images_dir / image.folder / image.file_name
+    return nested if nested.exists() else flat
 
 
 def read_annotations(
@@ -101,7 +115,8 @@ def read_annotations(
         where = f"{path}: images[{i}]"
         building.require(record, ("id",), where)
         image_id = _int_id(record["id"], f"{where}.id")
-        file_name = record.get("file_name") or _file_name_from_url(record.get("coco_url"))
+        url = _url_path(record.get("coco_url"))
+        file_name = record.get("file_name") or (url.name if url else None)
         if not file_name:
             raise building.BuildError(f"{where}: neither 'file_name' nor 'coco_url' names a file")
         if image_id in images:
@@ -110,6 +125,7 @@ def read_annotations(
         images[image_id] = AnnotatedImage(
             id=image_id,
             file_name=file_name,
+            folder=(url.parent.name or None) if url else None,
             not_exhaustive=set(record.get("not_exhaustive_category_ids", ())),
             negatives=None if negatives is None else set(negatives),
         )

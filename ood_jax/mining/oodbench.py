@@ -204,7 +204,7 @@ def read_pairs(root: str | pathlib.Path) -> Pairs:
     for image_id in sorted(images):
         present = images[image_id].annotated()
         if present:
-            files[image_id] = root / "images" / images[image_id].file_name
+            files[image_id] = oodbench_source.image_path(root / "images", images[image_id])
         image_ids += [image_id] * len(present)
         category_ids += present
     if not image_ids:

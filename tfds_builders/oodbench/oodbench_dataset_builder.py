@@ -3,7 +3,10 @@
 Source layout (`--source SRC`):
 
     SRC/annotations.json  COCO or LVIS instances JSON (images, annotations, categories)
-    SRC/images/<file_name>  LVIS images without "file_name" use the last part of "coco_url"
+    SRC/images/<file_name>  LVIS images without "file_name" use the last part of "coco_url";
+                          where SRC/images/<name> is missing, SRC/images/<folder>/<name> with
+                          coco_url's folder (LVIS v1 val takes images from COCO's train2017/ and
+                          val2017/, which may sit side by side under SRC/images/)
     SRC/splits.jsonl      {"image_id": int, "category": name, "split": "ID" | "OOD-S" | "OOD-H"}
 
 Splits: `id`, `ood_s`, `ood_h`. Answers come from the annotations, never from splits.jsonl.
@@ -154,7 +157,7 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
         }
 
     def _read(self, source: _Source, image_id: int) -> building.EncodedImage | None:
-        path = source.images_dir / source.images[image_id].file_name
+        path = oodbench.image_path(source.images_dir, source.images[image_id])
         # An image used in several splits is read, and counted if skipped, once per build.
         if path in self._unreadable:
             return None
