@@ -122,6 +122,7 @@ def _build(args: argparse.Namespace) -> None:
             config=args.config,
             on_error=args.on_error,
             overwrite=args.overwrite,
+            custom_name=args.set_name,
         )
     except BaseException as error:
         # What a failed or interrupted build skipped is printed before its one error line.
@@ -219,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
             "ood-jax build counts --source COUNTS_DIR --data-dir data/tfds",
             "ood-jax build foci --config food101 --source FOOD101_DIR --data-dir data/tfds "
             "--on-error skip",
+            "ood-jax build foci --config custom --name imagenet_v2 --source IMAGENET_V2_DIR "
+            "--data-dir data/tfds",
             "ood-jax build oodbench --config bap --source OODBENCH_DIR --data-dir data/tfds "
             "--overwrite",
         ),
@@ -233,6 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", required=True, help="TFDS data directory to write to")
     p.add_argument(
         "--config", help="builder config, e.g. food101 for foci or tiny for synthetic_shifts"
+    )
+    p.add_argument(
+        "--name",
+        dest="set_name",
+        metavar="NAME",
+        help="with --config custom: build the set under its own config name NAME "
+        "(DATA_DIR/foci/NAME; eval-mllm foci --config NAME reads it), so several sets live "
+        "side by side",
     )
     p.add_argument(
         "--on-error",

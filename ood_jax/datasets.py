@@ -6,6 +6,8 @@ the builders in turn import only `ood_jax.data`, so there is no import circle. E
 
     builder = datasets.build("counts", data_dir, source=SRC)      # -> prepared builder + .report
     builder = datasets.load("synthetic_shifts/tiny", data_dir)    # prepared, or an error saying how
+    datasets.build("foci", data_dir, source=SRC, config="custom", custom_name="imagenet_v2")
+    builder = datasets.load("foci/imagenet_v2", data_dir)         # a custom set under its name
     names = datasets.class_names("counts", data_dir)              # detection label names
     datasets.configs("foci")                                      # ("food101", "flowers102", ...)
 
@@ -76,9 +78,36 @@ def _check_config(builder_cls, name: str, config: str | None) -> None:
     if config is None and len(configs) > 1 and "default" not in configs:
         raise building.BuildError(f"{name}: choose a config with --config: {', '.join(configs)}")
     if config is not None and config not in configs:
+        custom = getattr(builder_cls, "CUSTOM_CONFIG", None)
+        hint = f"; a set of your own is --config {custom} --name NAME" if custom else ""
         raise building.BuildError(
-            f"{name}: unknown config {config!r}; its configs are {', '.join(configs)} (--config)"
+            f"{name}: unknown config {config!r}; its configs are {', '.join(configs)} "
+            f"(--config){hint}"
         )
+
+
+def _build_config(builder_cls, name: str, config: str | None, custom_name: str | None):
+    """What a build passes as the builder's `config`: the name of one of its configs or, for a
+    set built under a name of its own (`--config custom --name NAME`), the builder's config
+    object for that name, which TFDS writes to DATA_DIR/NAME/<custom name>/VERSION."""
+    if custom_name is None:
+        _check_config(builder_cls, name, config)
+        return config
+    custom = getattr(builder_cls, "CUSTOM_CONFIG", None)
+    if custom is None or config != custom:
+        needs = f"--config {custom}" if custom else f"a builder with custom sets, not {name}"
+        raise building.BuildError(f"--name {custom_name}: only a custom set is named ({needs})")
+    return builder_cls.custom_config(custom_name)
+
+
+def _load_config(builder_cls, name: str, config: str | None):
+    """What a reader passes as `config`: a config's name, or a custom set's config by its name
+    (a custom set differs from the builder's custom config only in its name)."""
+    configs = [c.name for c in builder_cls.BUILDER_CONFIGS]
+    if config is not None and config not in configs and hasattr(builder_cls, "CUSTOM_CONFIG"):
+        return builder_cls.custom_config(config)
+    _check_config(builder_cls, name, config)
+    return config
 
 
 def _check_writable(data_dir: str) -> None:
@@ -93,7 +122,7 @@ def _check_writable(data_dir: str) -> None:
         raise building.BuildError(f"--data-dir {data_dir}: not writable; pick a writable directory")
 
 
-def _make_builder(builder_cls, data_dir: str, config: str | None, on_error: str):
+def _make_builder(builder_cls, data_dir: str, config, on_error: str):
     kwargs = {"data_dir": data_dir, "config": config}
     if issubclass(builder_cls, building.SourceBuilder):
         kwargs["on_error"] = on_error
@@ -107,8 +136,12 @@ def build(
     config: str | None = None,
     on_error: str = "fail",
     overwrite: bool = False,
+    custom_name: str | None = None,
 ) -> tfds.core.DatasetBuilder:
     """Builds dataset `name` (config `config`) from `source` into `data_dir`.
+
+    `custom_name` builds a custom set (foci's `custom`) under a name of its own, so several
+    live side by side; it is read back as "NAME/<custom name>".
 
     Returns the prepared builder with `.provenance` (its `BuildRecord`), `.reused` (True when
     the dataset was already built from this source and nothing was done) and `.report` (what
@@ -116,7 +149,7 @@ def build(
     `data_dir` holds this dataset built from another source, unless `overwrite`.
     """
     builder_cls = _builder_cls(name)
-    _check_config(builder_cls, name, config)
+    config = _build_config(builder_cls, name, config, custom_name)
     _check_writable(data_dir)
     make = functools.partial(_make_builder, builder_cls, config=config, on_error=on_error)
     data_root = os.path.expanduser(data_dir)
@@ -356,16 +389,22 @@ def load(name: str, data_dir: str, build_if_missing: bool = False) -> tfds.core.
     """
     data_dir = os.path.expanduser(data_dir)
     dataset, _, config = name.partition("/")
-    _check_config(_builder_cls(dataset), dataset, config or None)
-    builder = tfds.builder(name, data_dir=data_dir)
+    builder_cls = _builder_cls(dataset)
+    chosen = _load_config(builder_cls, dataset, config or None)
+    builder = _make_builder(builder_cls, data_dir, chosen, on_error="fail")
     if builder.is_prepared():
         return builder
     if build_if_missing and dataset in SYNTHETIC:
         return build(dataset, data_dir=data_dir, config=config or None)
     config_flag = f" --config {config}" if config else ""
+    what = ""
+    if isinstance(chosen, tfds.core.BuilderConfig):  # a custom set under a name of its own
+        config_flag = f" --config {builder_cls.CUSTOM_CONFIG} --name {config}"
+        # It may be a mistyped config, so the configs are named too.
+        what = f" (no config of {dataset}: {', '.join(configs(dataset))}; nor a custom set)"
     source = "" if dataset in SYNTHETIC else " --source SRC"
     raise FileNotFoundError(
-        f"{name} is not prepared in {data_dir}; run "
+        f"{name} is not prepared in {data_dir}{what}; run "
         f"`ood-jax build {dataset}{source}{config_flag} --data-dir {data_dir}`"
     )
 

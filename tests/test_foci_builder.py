@@ -188,6 +188,52 @@ def make_custom(src: pathlib.Path) -> Expected:
     return expected
 
 
+def imagenet_names() -> list[str]:
+    """Stand-ins for the 1000 ImageNet class names (SRC/classnames.txt), in class-index order."""
+    return [f"class {k}" for k in range(1000)]
+
+
+def _write_imagenet_names(src: pathlib.Path) -> None:
+    src.mkdir(parents=True, exist_ok=True)
+    (src / foci_source.IMAGENET_CLASS_NAMES_FILE).write_text("\n".join(imagenet_names()) + "\n")
+
+
+def make_imagenet(src: pathlib.Path, config: str, options_file: str, relative: bool) -> Expected:
+    """SRC/<folder>/<wnid>/<file> for four classes (0, 1, 2 and 7), two images each; the options
+    name images relative to the set's folder (as FOCI's files) or, `relative=False`, to SRC."""
+    folder = foci_source.IMAGENET_FOLDERS[config]
+    wnids, names = foci_source.imagenet_wnids(), imagenet_names()
+    used = [0, 1, 2, 7]
+    labelled = [
+        (f"{folder}/{wnids[c]}/{wnids[c]}_{k}.JPEG", names[c]) for c in used for k in range(2)
+    ]
+    _write_imagenet_names(src)
+    expected = _images(src, labelled, [names[c] for c in used])
+    file_paths = {image: image.removeprefix(f"{folder}/") for image in expected} if relative else {}
+    _write_options(src / options_file, expected, file_paths)
+    return expected
+
+
+def make_geode(src: pathlib.Path) -> Expected:
+    rows = [
+        ("Africa/bag/tx_0.jpg", "bag", "Africa"),
+        ("Africa/dog/tx_1.jpg", "dog", "Africa"),
+        ("WestAsia/bag/tx_2.jpg", "bag", "WestAsia"),
+        ("WestAsia/cooking_pot/tx_3.jpg", "cooking_pot", "WestAsia"),
+        ("Europe/dog/tx_4.jpg", "dog", "Europe"),
+        ("Europe/stove/tx_5.jpg", "stove", "Europe"),
+    ]
+    src.mkdir(parents=True)
+    lines = ["file_path,object,region,ip_country"]
+    lines += [f"{path},{obj},{region},XX" for path, obj, region in rows]
+    (src / "index.csv").write_text("\n".join(lines) + "\n")
+    classes = ["bag", "cooking pot", "dog", "stove"]
+    labelled = [(f"images/{path}", obj.replace("_", " ")) for path, obj, _ in rows]
+    expected = _images(src, labelled, classes)
+    _write_options(src / foci_source.released_options_file("geode"), expected, {})
+    return expected
+
+
 LAYOUTS = {
     "food101": make_food101,
     "flowers102": make_flowers102,
@@ -200,6 +246,17 @@ LAYOUTS.update(
     (f"imagenet21k_{domain}", functools.partial(make_imagenet21k, absolute_paths=k % 2 == 0))
     for k, domain in enumerate(IMAGENET_DOMAINS)
 )
+# Each ImageNet set reads its options under another of the names it accepts.
+LAYOUTS.update(
+    (config, functools.partial(make_imagenet, config=config, options_file=name, relative=rel))
+    for config, name, rel in [
+        ("imagenet_1k", foci_source.released_options_file("imagenet_1k"), True),
+        ("imagenet_a", "foci_options.json", False),
+        ("imagenet_r", foci_source.released_options_file("imagenet_r"), True),
+        ("imagenet_sketch", "options.json", True),
+    ]
+)
+LAYOUTS["geode"] = make_geode
 
 
 def _build(tmp_path: pathlib.Path, config: str, src: pathlib.Path, name: str = "data", **kwargs):

@@ -1,15 +1,20 @@
-"""FOCI's source files: the five releases' own test lists, read strictly.
+"""FOCI's source files: the releases' own test lists, read strictly.
 
-Shared by the `foci` TFDS builder (which joins them with an options file) and by
-`ood_jax.mining.foci` (which mines the options from the same images and labels). Image paths are
-relative to the release's root, as in FOCI's loaders and its released option files; errors name
-the file, line or field (`building.BuildError`).
+The five FOCI datasets and the sets of its appendix D (ImageNet-1k val, ImageNet-A, -R and
+-Sketch, GeoDE). Shared by the `foci` TFDS builder (which joins them with an options file) and
+by `ood_jax.mining.foci` (which mines the options from the same images and labels). Image paths
+are relative to SRC; where FOCI's loaders and released option files name an image relative to
+the set's own root (`n01443537/sketch_16.jpg` under SRC/imagenet-r/), `TestSplit.aliases` maps
+that name to the path. Errors name the file, line or field (`building.BuildError`).
 """
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import io
 import pathlib
+import re
 from collections.abc import Callable
 
 import numpy as np
@@ -19,6 +24,32 @@ from ood_jax.data import building
 NUM_OPTIONS = 4
 RELEASE_OPTIONS_FILE = "foci_options.json"
 OPTIONS_FILE = "options.json"
+# FOCI's released options files are data/<its name>-ViT-L-14-laion2b_s32b_b82k-4.json; a
+# config also reads its file under that name in SRC. Our config name -> FOCI's dataset name.
+FOCI_NAMES = {
+    "food101": "food101",
+    "flowers102": "flowers102",
+    "fgvc_aircraft": "fgvc_aircraft",
+    "stanford_cars": "stanford_cars",
+    "oxford_pet": "oxford_pet",
+    "imagenet21k_animal": "imagenet-6k-animal",
+    "imagenet21k_plant": "imagenet-6k-plant",
+    "imagenet21k_food": "imagenet-6k-food",
+    "imagenet21k_artifact": "imagenet-6k-artifact",
+    "imagenet_1k": "imagenet",
+    "imagenet_a": "imagenet-adversarial",
+    "imagenet_r": "imagenet-rendition",
+    "imagenet_sketch": "imagenet-sketch",
+    "geode": "geode",
+}
+
+
+def released_options_file(config: str) -> str | None:
+    """The name of FOCI's released options file for `config` (None for a set of one's own)."""
+    name = FOCI_NAMES.get(config)
+    return f"{name}-ViT-L-14-laion2b_s32b_b82k-4.json" if name else None
+
+
 # The release files each test-split reader below opens, relative to SRC (a build's record keeps
 # their digests).
 RELEASE_TEST_FILES: dict[str, tuple[str, ...]] = {
@@ -27,7 +58,35 @@ RELEASE_TEST_FILES: dict[str, tuple[str, ...]] = {
     "fgvc_aircraft": ("data/images_variant_test.txt",),
     "stanford_cars": ("cars_test_annos_withlabels.mat", "devkit/cars_meta.mat"),
     "oxford_pet": ("annotations/test.txt",),
+    "geode": ("index.csv",),
 }
+# ImageNet and its variants: one folder of images per WordNet id under SRC/<folder>, named
+# from SRC/classnames.txt (`imagenet_class_names`); ImageNet's val may instead be flat with
+# SRC/LOC_val_solution.csv (Kaggle's layout).
+IMAGENET_FOLDERS = {
+    "imagenet_1k": "val",
+    "imagenet_a": "imagenet-a",
+    "imagenet_r": "imagenet-r",
+    "imagenet_sketch": "sketch",
+}
+IMAGENET_CLASS_NAMES_FILE = "classnames.txt"
+IMAGENET_VAL_SOLUTION = "LOC_val_solution.csv"
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+# FOCI's Table 3 halves of ImageNet-1k: its training used every other class; its evaluation
+# notebook counts class index % 2 == 0 as the first half, printed as Train Half.
+IMAGENET_HALVES = ("train_half", "test_half")
+
+
+def release_files(config: str, src: pathlib.Path) -> list[pathlib.Path]:
+    """The files of the release that `config`'s test-split reader opens (for the build record)."""
+    if config in IMAGENET_FOLDERS:
+        flat = config == "imagenet_1k" and (src / IMAGENET_VAL_SOLUTION).exists()
+        names = (IMAGENET_CLASS_NAMES_FILE, *((IMAGENET_VAL_SOLUTION,) if flat else ()))
+        return [src / name for name in names]
+    if config == "stanford_cars":
+        _check_not_kaggle_cars(src)
+    return [src / name for name in RELEASE_TEST_FILES.get(config, ())]
+
 
 # The Oxford 102 flower names in label order: the CLIP-style list FOCI's loader uses.
 FLOWERS102_CLASSES = (
@@ -60,6 +119,10 @@ class TestSplit:
     labels: dict[str, str]
     class_names: frozenset[str]
     source: str
+    # FOCI's name of an image (relative to the set's root) -> its path relative to SRC.
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)
+    # image path -> the split it is also written to (GeoDE's regions, ImageNet's halves).
+    groups: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,8 +223,21 @@ def fgvc_aircraft_test_split(src: pathlib.Path) -> TestSplit:
     return TestSplit(labels, frozenset(labels.values()), str(path))
 
 
+def _check_not_kaggle_cars(src: pathlib.Path) -> None:
+    """The Kaggle mirror of Stanford Cars has no test labels: say so, not just "not found"."""
+    annotations_path = src / RELEASE_TEST_FILES["stanford_cars"][0]
+    kaggle = src / "devkit" / "cars_test_annos.mat"
+    if not annotations_path.exists() and kaggle.exists():
+        raise building.BuildError(
+            f"{annotations_path}: file not found; {kaggle} (as in the Kaggle mirror) has no "
+            "test labels, which come in cars_test_annos_withlabels.mat (see pytorch/vision "
+            "issue 7545)"
+        )
+
+
 def stanford_cars_test_split(src: pathlib.Path) -> TestSplit:
     annotations_path, meta_path = _release_files(src, "stanford_cars")
+    _check_not_kaggle_cars(src)
     class_names = [str(name) for name in _loadmat(meta_path, "class_names").ravel()]
     annotations = _loadmat(annotations_path, "annotations").ravel()
     for field in ("class", "fname"):
@@ -205,10 +281,152 @@ def oxford_pet_test_split(src: pathlib.Path) -> TestSplit:
     return TestSplit(labels, frozenset(labels.values()), str(path))
 
 
+# ---------------------------------------------------------------------------------------------
+# FOCI's appendix D: ImageNet-1k val, ImageNet-A, -R, -Sketch (folders of WordNet ids), GeoDE
+# ---------------------------------------------------------------------------------------------
+
+
+def imagenet_wnids() -> tuple[str, ...]:
+    """The 1000 ImageNet-1k WordNet ids in class-index order, from TFDS's imagenet2012 builder."""
+    import tensorflow_datasets as tfds
+
+    path = tfds.core.tfds_path() / "datasets" / "imagenet2012" / "labels.txt"
+    return tuple(path.read_text().split())
+
+
+def imagenet_class_names(src: pathlib.Path) -> dict[str, str]:
+    """WordNet id -> class name from SRC/classnames.txt: 1000 lines in class-index order."""
+    path = src / IMAGENET_CLASS_NAMES_FILE
+    wnids = imagenet_wnids()
+    lines = building.read_text(path).splitlines()
+    names = [line.strip() for line in lines]
+    if len(names) != len(wnids):
+        raise building.BuildError(
+            f"{path}: {len(names)} lines, expected {len(wnids)}: one ImageNet class name per "
+            "line in class-index order (tench first), as OpenAI CLIP's list that FOCI uses"
+        )
+    first_line: dict[str, int] = {}
+    for number, name in enumerate(names, start=1):
+        if not name:
+            raise building.BuildError(f"{path}: line {number} is empty")
+        if first_line.setdefault(name, number) != number:
+            raise building.BuildError(
+                f"{path}: line {number}: {name!r} is also line {first_line[name]}; each class "
+                "needs its own name"
+            )
+    return dict(zip(wnids, names))
+
+
+def _folder_images(folder: pathlib.Path) -> list[str]:
+    return sorted(
+        p.name
+        for p in folder.iterdir()
+        if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_SUFFIXES
+    )
+
+
+def _wnid_folders(src: pathlib.Path, root: str, names: dict[str, str]) -> TestSplit:
+    """Images SRC/<root>/<wnid>/<file>, FOCI's names <wnid>/<file>; every folder a known class."""
+    base = src / root
+    if not base.is_dir():
+        raise building.BuildError(f"{base}: not found; expected one folder per WordNet id")
+    labels: dict[str, str] = {}
+    aliases: dict[str, str] = {}
+    for folder in sorted(p for p in base.iterdir() if p.is_dir()):
+        if folder.name not in names:
+            raise building.BuildError(
+                f"{folder}: {folder.name!r} is not one of the 1000 ImageNet WordNet ids"
+            )
+        for image in _folder_images(folder):
+            path = f"{root}/{folder.name}/{image}"
+            labels[path] = names[folder.name]
+            aliases[f"{folder.name}/{image}"] = path
+    if not labels:
+        raise building.BuildError(f"{base}: no images in <wnid>/ folders")
+    # The classes are the ones present, as FOCI's loader (ImageNet-A and -R hold 200).
+    return TestSplit(labels, frozenset(labels.values()), str(base), aliases)
+
+
+def _flat_val(src: pathlib.Path, names: dict[str, str]) -> TestSplit:
+    """Kaggle's flat SRC/val/<ImageId>.JPEG, labelled by LOC_val_solution.csv's first WordNet id."""
+    path = src / IMAGENET_VAL_SOLUTION
+    rows = _csv_rows(path, ("ImageId", "PredictionString"))
+    labels: dict[str, str] = {}
+    aliases: dict[str, str] = {}
+    for number, row in rows:
+        image_id, boxes = row["ImageId"].strip(), row["PredictionString"].split()
+        if not image_id or not boxes or boxes[0] not in names:
+            raise building.BuildError(
+                f"{path}: line {number}: expected '<ImageId>,<wnid> <box> ...' with one of the "
+                "1000 ImageNet WordNet ids"
+            )
+        image = f"val/{image_id}.JPEG"
+        _add(labels, image, names[boxes[0]], f"{path}: line {number}")
+        aliases[f"{boxes[0]}/{image_id}.JPEG"] = image
+    return TestSplit(labels, frozenset(names.values()), str(path), aliases)
+
+
+def imagenet_test_split(config: str) -> Callable[[pathlib.Path], TestSplit]:
+    def read(src: pathlib.Path) -> TestSplit:
+        names = imagenet_class_names(src)
+        if config != "imagenet_1k":
+            return _wnid_folders(src, IMAGENET_FOLDERS[config], names)
+        flat = (src / IMAGENET_VAL_SOLUTION).exists()
+        split = _flat_val(src, names) if flat else _wnid_folders(src, "val", names)
+        index = {name: k for k, name in enumerate(names.values())}
+        halves = {image: IMAGENET_HALVES[index[label] % 2] for image, label in split.labels.items()}
+        # Every class is asked about in ImageNet-1k, present in its folders or not.
+        return dataclasses.replace(split, class_names=frozenset(names.values()), groups=halves)
+
+    return read
+
+
+def _csv_rows(path: pathlib.Path, columns: tuple[str, ...]) -> list[tuple[int, dict[str, str]]]:
+    reader = csv.DictReader(io.StringIO(building.read_text(path)))
+    missing = [c for c in columns if c not in (reader.fieldnames or ())]
+    if missing:
+        raise building.BuildError(f"{path}: no column {missing[0]!r} (columns {reader.fieldnames})")
+    rows = []
+    for number, row in enumerate(reader, start=2):
+        if any(row.get(c) is None for c in columns):
+            raise building.BuildError(f"{path}: line {number}: fewer fields than the header")
+        rows.append((number, row))
+    return rows
+
+
+def region_split(region: str) -> str:
+    """GeoDE's region as a split name: 'SouthEastAsia' or 'Southeast Asia' -> south_east_asia /
+    southeast_asia (lowercase, words joined by '_')."""
+    words = re.sub(r"(?<=[a-z])(?=[A-Z])", " ", region.strip())
+    return "_".join(re.findall(r"[a-z0-9]+", words.lower()))
+
+
+def geode_test_split(src: pathlib.Path) -> TestSplit:
+    """GeoDE's index.csv: images SRC/images/<file_path>, label `object` with '_' -> ' ' (FOCI's
+    loader), and each image also in the split of its `region`."""
+    (path,) = _release_files(src, "geode")
+    labels: dict[str, str] = {}
+    groups: dict[str, str] = {}
+    for number, row in _csv_rows(path, ("file_path", "object", "region")):
+        where = f"{path}: line {number}"
+        file_path, label = row["file_path"].strip(), row["object"].strip().replace("_", " ")
+        region = region_split(row["region"])
+        if not file_path or not label or not region:
+            raise building.BuildError(f"{where}: empty file_path, object or region")
+        if region == "test":
+            raise building.BuildError(f"{where}: region {row['region']!r} would be split test")
+        image = f"images/{file_path}"
+        _add(labels, image, label, where)
+        groups[image] = region
+    return TestSplit(labels, frozenset(labels.values()), str(path), groups=groups)
+
+
 RELEASE_TEST_SPLITS: dict[str, Callable[[pathlib.Path], TestSplit]] = {
     "food101": food101_test_split,
     "flowers102": flowers102_test_split,
     "fgvc_aircraft": fgvc_aircraft_test_split,
     "stanford_cars": stanford_cars_test_split,
     "oxford_pet": oxford_pet_test_split,
+    **{config: imagenet_test_split(config) for config in IMAGENET_FOLDERS},
+    "geode": geode_test_split,
 }

@@ -2,17 +2,23 @@
 
 Every config reads an options file in FOCI's own released format,
 `{label: [{"image": path, "options": [truth, neg, neg, neg], "groundtruth": label}, ...]}`,
-which is also what `ood_jax.mining.foci` writes. For the five classic datasets the options are
-joined with the release's own test split, so an entry whose image is not in the split, or whose
-groundtruth disagrees with the release's label, fails the build; test images without options are
-counted in the report and not written.
+which is also what `ood_jax.mining.foci` writes, under any one of the names `options_files`
+gives (FOCI's released name, what our miner writes, options.json). For the five classic
+datasets and the sets of FOCI's appendix D (ImageNet-1k, -A, -R, -Sketch, GeoDE) the options
+are joined with the release's own test split, so an entry whose image is not in the split, or
+whose groundtruth disagrees with the release's label, fails the build; test images without
+options are counted in the report and not written. Besides `test`, ImageNet-1k writes FOCI's
+Table 3 halves and GeoDE one split per region (Table 7), each repeating test's examples.
+
+A custom set is built under a name of its own (`custom_config`), which becomes its config name
+and each record's `dataset`, so several live side by side in one data dir.
 
 The file lists the truth first; each example's options are shuffled by a permutation drawn from a
 SHA-256 of (config seed, image path), so two builds agree and `answer` is uniform over 0..3.
 
 An options file without entries, or a build whose every image is skipped, fails naming it: TFDS
-cannot write an empty `test` split. The build record identifies the source by the SHA-256 of the
-options file and of the release's test list (`ood_jax.data.foci.RELEASE_TEST_FILES`).
+cannot write an empty split. The build record identifies the source by the SHA-256 of the
+options file and of the release's test list (`ood_jax.data.foci.release_files`).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import hashlib
 import itertools
 import pathlib
 import posixpath
+import re
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -31,12 +38,17 @@ import tensorflow_datasets as tfds
 
 from ood_jax.data import building
 from ood_jax.data.foci import (
+    IMAGENET_CLASS_NAMES_FILE,
+    IMAGENET_HALVES,
+    IMAGENET_VAL_SOLUTION,
     NUM_OPTIONS,
     OPTIONS_FILE,
     RELEASE_OPTIONS_FILE,
-    RELEASE_TEST_FILES,
     RELEASE_TEST_SPLITS,
     TestSplit,
+    region_split,
+    release_files,
+    released_options_file,
 )
 
 NOTE_WITHOUT_OPTIONS = "test images without options (not written)"
@@ -133,6 +145,7 @@ def join_release(
     items = []
     for where, item in entries:
         image = _relative(item.image, where)
+        image = split.aliases.get(image, image)
         if image not in split.labels:
             raise building.BuildError(f"{where}: image is not in the test split ({split.source})")
         if split.labels[image] != item.label:
@@ -151,15 +164,24 @@ def join_release(
     return items
 
 
-def imagenet21k_items(entries: list[tuple[str, Item]]) -> list[Item]:
+# Where ImageNet-21k's <wnid>/<file> images may sit under SRC: our layout, or the processed
+# release's own train and val folders (FOCI does not say which it drew from, so both).
+IMAGENET21K_FOLDERS = ("images", "imagenet21k_train", "imagenet21k_val")
+
+
+def imagenet21k_items(entries: list[tuple[str, Item]], src: pathlib.Path) -> list[Item]:
     # FOCI's released files hold absolute paths from the authors' machine; the last two parts
-    # (<wnid>/<file>) are what identifies the image, so they are looked up under SRC/images/.
+    # (<wnid>/<file>) are what identifies the image, so they are looked up under SRC's folders.
+    folders = [name for name in IMAGENET21K_FOLDERS if (src / name).is_dir()] or ["images"]
     items = []
     for where, item in entries:
         parts = [p for p in item.image.replace("\\", "/").split("/") if p not in ("", ".")]
         if len(parts) < 2 or ".." in parts[-2:]:
             raise building.BuildError(f"{where}: expected an image path ending in <wnid>/<file>")
-        items.append(dataclasses.replace(item, image=f"images/{parts[-2]}/{parts[-1]}"))
+        candidates = [f"{folder}/{parts[-2]}/{parts[-1]}" for folder in folders]
+        # An image in none of them is reported missing under the first folder there is.
+        found = next((c for c in candidates if (src / c).is_file()), candidates[0])
+        items.append(dataclasses.replace(item, image=found))
     return items
 
 
@@ -184,36 +206,84 @@ def _check_unique(items: list[Item], path: pathlib.Path) -> None:
 
 @dataclasses.dataclass(eq=False)
 class FociConfig(tfds.core.BuilderConfig):
-    """A FOCI subset: the options file it reads and the seed of its option shuffle."""
+    """A FOCI subset: how its images are found (`layout`: release, imagenet21k or custom) and
+    the seed of its option shuffle."""
 
-    options_file: str = RELEASE_OPTIONS_FILE
+    layout: str = "release"
     seed: int = 0
+
+
+def options_files(config: FociConfig) -> tuple[str, ...]:
+    """The names in SRC the options may have; a build reads the one there is. FOCI's released
+    file under its released name, what `ood-jax mine foci` writes, and options.json."""
+    released = released_options_file(config.name) if config.layout != CUSTOM else None
+    mined = (RELEASE_OPTIONS_FILE,) if config.layout == "release" else ()
+    return (*((released,) if released else ()), *mined, OPTIONS_FILE)
+
+
+def _options_note(name: str, layout: str = "release") -> str:
+    names = options_files(FociConfig(name=name, layout=layout))
+    return (
+        f"Options (FOCI format, image paths relative to the set's root): one of "
+        f"{', '.join(f'SRC/{n}' for n in names)}; FOCI released the first as data/{names[0]}, "
+        f"and `ood-jax mine foci --dataset {name} --source SRC --scorer CLIP_DIR` writes "
+        f"SRC/{names[-2] if layout == 'release' else names[-1]}."
+    )
 
 
 def _release_config(name: str, reads: str, example: str) -> FociConfig:
     return FociConfig(
         name=name,
+        description=f"{reads} {_options_note(name)} Image paths as in {example}.",
+    )
+
+
+_IMAGENET_NAMES = (
+    f"Class names: SRC/{IMAGENET_CLASS_NAMES_FILE}, the 1000 ImageNet names one per line in "
+    "class-index order (the WordNet ids' order in TFDS's imagenet2012 labels.txt, tench "
+    "first), in the wording FOCI uses: OpenAI CLIP's list (FOCI's loaders.py openai_en_classes, "
+    "open_clip's IMAGENET_CLASSNAMES; no package here ships it, so the user supplies it)."
+)
+
+
+def _imagenet_config(name: str, reads: str) -> FociConfig:
+    return FociConfig(
+        name=name,
         description=(
-            f"{reads} Options: SRC/{RELEASE_OPTIONS_FILE}, FOCI's released "
-            f"data/{name}-ViT-L-14-laion2b_s32b_b82k-4.json (or a file our miner wrote), image "
-            f"paths relative to SRC as in {example}."
+            f"{reads} {_IMAGENET_NAMES} {_options_note(name)} An entry's image "
+            "<wnid>/<file> is found under the set's folder; image/filename is its path "
+            "relative to SRC."
         ),
     )
 
 
 def _imagenet21k_config(domain: str) -> FociConfig:
+    name = f"imagenet21k_{domain}"
     return FociConfig(
-        name=f"imagenet21k_{domain}",
+        name=name,
         description=(
             f"IN-{domain.title()} (ImageNet-21k classes of the WordNet {domain} lexicographer "
-            f"file). Reads SRC/{OPTIONS_FILE} (FOCI format; FOCI released "
-            f"data/imagenet-6k-{domain}-ViT-L-14-laion2b_s32b_b82k-4.json) and images "
-            "SRC/images/<wnid>/<file>. An entry's image is found by the last two parts of its "
-            "path, so the released files, which hold absolute paths from the authors' machine, "
-            "work unchanged; image/filename is images/<wnid>/<file>."
+            "file). Images SRC/images/<wnid>/<file>, or the processed release's own "
+            "SRC/imagenet21k_train/<wnid>/ and SRC/imagenet21k_val/<wnid>/ (both are read). "
+            f"{_options_note(name, 'imagenet21k')} An entry's image is found by the last two "
+            "parts of its path, so the released files, which hold absolute paths from the "
+            "authors' machine, work unchanged; image/filename is <folder>/<wnid>/<file>, the "
+            "folder it was found in."
         ),
-        options_file=OPTIONS_FILE,
+        layout="imagenet21k",
     )
+
+
+CUSTOM = "custom"
+_CUSTOM_DESCRIPTION = (
+    f"Any image set: SRC/{OPTIONS_FILE} (FOCI format), image paths relative to SRC. Build one "
+    "under its own name with --config custom --name NAME (DATA_DIR/foci/NAME/1.0.0, and NAME "
+    "is each record's `dataset`), so several live side by side in one data dir."
+)
+
+
+def _custom(name: str) -> FociConfig:
+    return FociConfig(name=name, description=_CUSTOM_DESCRIPTION, layout=CUSTOM)
 
 
 _CONFIGS = [
@@ -240,7 +310,11 @@ _CONFIGS = [
         "stanford_cars",
         "Stanford Cars test split: SRC/cars_test_annos_withlabels.mat (struct array "
         "'annotations' with bbox_x1..bbox_y2, class (1-based), fname), SRC/devkit/cars_meta.mat "
-        "('class_names'), images SRC/cars_test/<fname>.",
+        "('class_names'), images SRC/cars_test/<fname>: the files torchvision's StanfordCars "
+        "reads (under its stanford_cars/ folder) and FOCI's DATA.md points to (pytorch/vision "
+        "issue 7545), as the original site is offline. The popular Kaggle mirror has "
+        "cars_test/ and devkit/ but its devkit/cars_test_annos.mat lacks the test labels "
+        "('class'): cars_test_annos_withlabels.mat must come from elsewhere.",
         "'cars_test/00001.jpg'",
     ),
     _release_config(
@@ -252,12 +326,62 @@ _CONFIGS = [
         "'images/Abyssinian_201.jpg'",
     ),
     *(_imagenet21k_config(domain) for domain in ("animal", "plant", "food", "artifact")),
-    FociConfig(
-        name="custom",
-        description=f"Any image set: SRC/{OPTIONS_FILE} (FOCI format), image paths relative to SRC.",
-        options_file=OPTIONS_FILE,
+    # FOCI's appendix D (Tables 3, 6 and 7).
+    _imagenet_config(
+        "imagenet_1k",
+        "ImageNet-1k validation split (FOCI's IN-1k, Table 6): images SRC/val/<wnid>/*.JPEG, or "
+        f"flat SRC/val/<ImageId>.JPEG labelled by SRC/{IMAGENET_VAL_SOLUTION} (Kaggle's "
+        "layout; its first WordNet id per row). Splits: test (every image), and FOCI's Table 3 "
+        f"halves {IMAGENET_HALVES[0]} (classes 0, 2, 4, ... of the class-index order, the "
+        f"classes FOCI trained on) and {IMAGENET_HALVES[1]} (classes 1, 3, ...), as its "
+        "evaluation notebook splits them; the halves repeat test's examples.",
     ),
+    _imagenet_config(
+        "imagenet_a",
+        "ImageNet-A (FOCI's IN-adversarial): images SRC/imagenet-a/<wnid>/*.jpg (the release's "
+        "200 classes; the classes are the folders present).",
+    ),
+    _imagenet_config(
+        "imagenet_r",
+        "ImageNet-R (FOCI's IN-rendition): images SRC/imagenet-r/<wnid>/*.jpg (the release's "
+        "200 classes; the classes are the folders present).",
+    ),
+    _imagenet_config(
+        "imagenet_sketch",
+        "ImageNet-Sketch (FOCI's IN-sketch): images SRC/sketch/<wnid>/*.JPEG (all 1000 classes).",
+    ),
+    _release_config(
+        "geode",
+        "GeoDE (FOCI's Table 7): SRC/index.csv (columns file_path, object, region; the label is "
+        "object with '_' -> ' ', as FOCI's loader), images SRC/images/<file_path>. Splits: test "
+        "(every image, Table 7's All) and one per region, named by its region in lowercase "
+        f"words joined by '_' ('{region_split('WestAsia')}'), repeating test's examples.",
+        "'images/<file_path>'",
+    ),
+    _custom(CUSTOM),
 ]
+_NAMED = {config.name: config for config in _CONFIGS}
+# A custom set's name is a directory and a TFDS config name: one plain lowercase word.
+_CUSTOM_NAME = re.compile(r"[a-z][a-z0-9_]*\Z")
+
+
+def custom_config(name: str) -> FociConfig:
+    """The config of the custom set `name` (`--config custom --name NAME`); "custom" itself is
+    the registered config. It is rebuilt from the name alone, as a custom set differs from
+    `custom` only in its name, so reading one needs nothing stored besides the records."""
+    if name == CUSTOM:
+        return _NAMED[CUSTOM]
+    if not _CUSTOM_NAME.match(name):
+        raise building.BuildError(
+            f"--name {name!r}: a custom set's name must be one lowercase word of letters, "
+            "digits and '_' that starts with a letter, e.g. imagenet_v2"
+        )
+    if name in _NAMED:
+        raise building.BuildError(
+            f"--name {name}: that is foci's config {name}; build it with --config {name}, or "
+            "give the custom set another name"
+        )
+    return _custom(name)
 
 
 class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
@@ -266,6 +390,9 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
     VERSION = tfds.core.Version("1.0.0")
     RELEASE_NOTES: ClassVar[dict[str, str]] = {"1.0.0": "Initial release."}
     BUILDER_CONFIGS: ClassVar[list[FociConfig]] = _CONFIGS
+    # `ood_jax.datasets` builds and loads sets under names of their own through these.
+    CUSTOM_CONFIG = CUSTOM
+    custom_config = staticmethod(custom_config)
     MANUAL_DOWNLOAD_INSTRUCTIONS = (
         "Pass the directory holding the release and its options file with --source; each "
         "config's description lists the files it reads."
@@ -290,36 +417,64 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
 
     def source_files(self, src: pathlib.Path) -> list[pathlib.Path]:
         config = self.builder_config
-        release = RELEASE_TEST_FILES.get(config.name, ())
-        return [src / config.options_file, *(src / name for name in release)]
+        release = release_files(config.name, src) if config.layout == "release" else []
+        return [self._options_path(src), *release]
+
+    def _options_path(self, src: pathlib.Path) -> pathlib.Path:
+        config = self.builder_config
+        names = options_files(config)
+        found = [src / name for name in names if (src / name).exists()]
+        if not found:
+            mine = config.name if config.layout != CUSTOM else CUSTOM
+            raise building.BuildError(
+                f"{src}: no options file for foci/{config.name}; expected one of "
+                f"{', '.join(names)} (FOCI format), or mine one with `ood-jax mine foci "
+                f"--dataset {mine} --source {src} --scorer CLIP_DIR`"
+            )
+        if len(found) > 1:
+            raise building.BuildError(
+                f"{src}: {found[0].name} and {found[1].name} are both options files for "
+                f"foci/{config.name}; keep the one to build from"
+            )
+        return found[0]
 
     def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict[str, Iterator]:
         src = self.source_dir(dl_manager)
         config = self.builder_config
-        options_path = src / config.options_file
+        options_path = self._options_path(src)
         entries = read_options(options_path)
         if not entries:
             raise building.BuildError(
                 f"{options_path}: no entries, so split test would be empty; the file should "
                 "map each label to its questions"
             )
-        if config.name in RELEASE_TEST_SPLITS:
-            items = join_release(entries, RELEASE_TEST_SPLITS[config.name](src), self.report)
-        elif config.name.startswith("imagenet21k_"):
-            items = imagenet21k_items(entries)
+        groups: dict[str, str] = {}
+        if config.layout == "release":
+            split = RELEASE_TEST_SPLITS[config.name](src)
+            items, groups = join_release(entries, split, self.report), split.groups
+        elif config.layout == "imagenet21k":
+            items = imagenet21k_items(entries, src)
         else:
             items = custom_items(entries)
         _check_unique(items, options_path)
-        self.start_progress(len(items), "images")
-        return {"test": self._generate_examples(src, items)}
+        grouped = collections.defaultdict(list)
+        for item in items:
+            if item.image in groups:
+                grouped[groups[item.image]].append(item)
+        self.start_progress(len(items) + sum(map(len, grouped.values())), "images")
+        splits = {"test": self._generate_examples(src, items, "test", self.report)}
+        # A group's images were reported (if skipped) by split test already.
+        for name, members in sorted(grouped.items()):
+            splits[name] = self._generate_examples(src, members, name, building.BuildReport())
+        return splits
 
     def _generate_examples(
-        self, src: pathlib.Path, items: list[Item]
+        self, src: pathlib.Path, items: list[Item], split: str, report: building.BuildReport
     ) -> Iterator[tuple[str, dict[str, Any]]]:
         config = self.builder_config
         written = 0
         for item in self.track(items):
-            image = building.read_image_or_skip(src / item.image, self.on_error, self.report)
+            image = building.read_image_or_skip(src / item.image, self.on_error, report)
             if image is None:
                 continue
             written += 1
@@ -336,4 +491,4 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
                 },
             )
         if not written:
-            raise building.no_examples("test", len(items))
+            raise building.no_examples(split, len(items))
