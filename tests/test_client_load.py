@@ -307,21 +307,32 @@ def test_ctrl_c_with_a_slow_server_returns_at_once(tmp_path):
     """The server holds every request for seconds; Ctrl-C arrives while two are out. Before,
     ThreadPoolExecutor's threads were joined on the way out and the process waited for them."""
 
+    arrived = threading.Semaphore(0)
+    sent_at = []
+
     def respond(body, attempt):
+        arrived.release()
         server.closing.wait(5)
         return 200, {}, completion("A")
 
+    def ctrl_c_once_two_are_out():
+        # SIGINT to the process, as a terminal sends it, once both requests are at the server
+        # (a fixed delay would race the run's start on a loaded machine).
+        for _ in range(2):
+            if not arrived.acquire(timeout=30):
+                return
+        sent_at.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
     with ChatServer(respond) as server:
         client = _client(server.url)
-        timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
-        started = time.monotonic()
-        timer.start()
-        try:
-            with pytest.raises(KeyboardInterrupt, match="0 replies kept in"):
-                runner.run(Letters(10), client, tmp_path, concurrency=2, progress=False)
-        finally:
-            timer.cancel()
-        assert time.monotonic() - started < 1.5
+        sender = threading.Thread(target=ctrl_c_once_two_are_out, daemon=True)
+        sender.start()
+        with pytest.raises(KeyboardInterrupt, match="0 replies kept in"):
+            runner.run(Letters(10), client, tmp_path, concurrency=2, progress=False)
+        sender.join()
+        # Well under the 5 s the server holds each request: the run did not wait for them.
+        assert time.monotonic() - sent_at[0] < 4.5
         assert server.hits == 2
         # The abandoned requests stop waiting on the server within a poll.
         deadline = time.monotonic() + 1
