@@ -40,13 +40,26 @@ forward + backward of the sum of all outputs (and say so).
                               [--torch-threads T] [--no-torch]
 
 The last line sums up the ratios (torch time / our time; above 1 means ours is faster).
+
+`--memory [--size 800x1333] [--remat] [--dtype D]` measures instead the memory one train step
+needs at batch `--batch`: ours from the compiled step's `memory_analysis()` (`build_train_step`
+lowered on abstract arguments: compiled, never run) at the size, 3/4 and 1/2 of it in `--dtype`
+and at the size in the other dtype, with a linear fit in image area to pick a batch for a GPU;
+torch's as the peak-RSS increase (`resource.getrusage`) of one forward + backward + AdamW step
+in its own process. XLA's CPU pipeline expands optimization barriers before its CSE pass, which
+then merges `jax.checkpoint`'s recomputation back into the forward pass, so on CPU remat would
+save nothing; GPU and TPU keep the barriers through CSE. `--memory` therefore compiles with
+that one pass disabled (`--xla_disable_hlo_passes=cse_barrier_expander`), as the accelerators
+would schedule the step.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any
@@ -63,34 +76,59 @@ HEADS, HEAD_DIM, LEVELS, POINTS = 8, 32, 4, 4
 BACKBONE_LR, LR, WEIGHT_DECAY, CLIP_NORM = 1e-5, 1e-4, 1e-4, 0.1  # DINO's recipe
 # Parameters DINO and transformers leave frozen: the stem and the first ResNet stage.
 FROZEN = ("backbone/stem_", "backbone/stage1_")
+# The CPU pass that drops optimization barriers before CSE (see the module docstring).
+CSE_BARRIER_PASS = "cse_barrier_expander"
 
 
 def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="timed runs per measurement")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs after compiling")
-    parser.add_argument("--size", type=int, default=320, help="image height and width")
+    parser.add_argument("--size", help="image size, S or HxW (default 320, with --memory 800x1333)")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--dn", type=int, default=100, help="denoising query budget")
     parser.add_argument("--op-size", default="800x1333", help="HxW image the op's levels tile")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--remat", action="store_true", help="recompute deformable sampling")
+    parser.add_argument(
+        "--remat", action="store_true", help="recompute sampling and layers in backward"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-torch", action="store_true", help="time only ours")
+    parser.add_argument(
+        "--memory", action="store_true", help="the train step's memory instead of times"
+    )
+    parser.add_argument("--torch-memory-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--torch-threads", type=int, default=0, help="torch intra-op threads (0: all cores)"
     )
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 0 or args.batch < 1:
         parser.error("need --steps >= 1, --warmup >= 0, --batch >= 1")
-    if (args.size // 8) ** 2 < NUM_QUERIES:
-        parser.error(f"--size {args.size} gives fewer encoder positions than {NUM_QUERIES}")
+    size = args.size or ("800x1333" if args.memory else "320")
+    try:
+        args.hw = tuple(int(v) for v in size.lower().split("x")) * (1 if "x" in size else 2)
+        assert len(args.hw) == 2
+    except (ValueError, AssertionError):
+        parser.error(f"--size {size!r}: expected S or HxW")
+    # --memory also compiles at half the size.
+    smallest = [v // 2 for v in args.hw] if args.memory else args.hw
+    if (smallest[0] // 8) * (smallest[1] // 8) < NUM_QUERIES:
+        parser.error(f"--size {size} gives fewer encoder positions than {NUM_QUERIES}")
     try:
         args.op_hw = tuple(int(v) for v in args.op_size.lower().split("x"))
         assert len(args.op_hw) == 2 and min(args.op_hw) >= 64
     except (ValueError, AssertionError):
         parser.error(f"--op-size {args.op_size!r}: expected HxW, each at least 64")
     return args
+
+
+def _inputs(args: argparse.Namespace):
+    """`common.random_detection_input` at args.hw (boxes are normalized, so a crop keeps them)."""
+    height, width = args.hw
+    images, *targets = common.random_detection_input(
+        args.seed, args.batch, max(height, width), MAX_BOXES, NUM_CLASSES
+    )
+    return (images[:, :height, :width], *targets)
 
 
 def _level_shapes(height: int, width: int) -> list[tuple[int, int]]:
@@ -208,18 +246,35 @@ def _random_variables(module, images) -> dict:
     return jax.tree_util.tree_map_with_path(draw, abstract)
 
 
-def _our_runner(args: argparse.Namespace, inputs, dtype, use_loss: bool) -> dict[str, Any]:
+def _batch(images, boxes, labels, mask) -> dict:
+    """The step's batch: every image pixel real."""
+    import jax.numpy as jnp
+
+    return {
+        "images": images,
+        "pixel_mask": jnp.ones(images.shape[:3], bool),
+        "boxes": boxes,
+        "labels": labels,
+        "mask": mask,
+    }
+
+
+def build_train_step(module, variables, num_dn: int, use_loss: bool) -> dict[str, Any]:
+    """Our jitted DINO train step and predict step over `variables`, with their arguments.
+
+    Returns {"train": jit(train_step, donating the state), "predict": jit(predict), "state":
+    (trainable, optimizer state), "fixed": {"frozen", "model_state"}}, called as
+    `train(state, fixed, batch, rng) -> (state, loss)` and `predict(state[0], fixed, batch)`.
+    `variables` may be `jax.ShapeDtypeStruct`s: state and fixed then come back abstract, so
+    `train.lower(state, fixed, batch, rng).compile()` builds the step without running anything
+    (what `--memory` measures).
+    """
     import jax
     import jax.numpy as jnp
     import optax
     from flax import traverse_util
 
     from ood_jax.models import denoising, dino
-
-    module = dino.DINO(num_classes=NUM_CLASSES, remat=args.remat, dtype=dtype)
-    images, boxes, labels, mask = (jnp.asarray(x) for x in inputs)
-    pixel_mask = jnp.ones(images.shape[:3], bool)
-    variables = _random_variables(module, images)
 
     flat = traverse_util.flatten_dict(variables["params"], sep="/")
     frozen = {k: v for k, v in flat.items() if k.startswith(FROZEN)}
@@ -233,12 +288,9 @@ def _our_runner(args: argparse.Namespace, inputs, dtype, use_loss: bool) -> dict
         optax.clip_by_global_norm(CLIP_NORM),
         optax.multi_transform({"backbone": adamw(BACKBONE_LR), "rest": adamw(LR)}, group),
     )
-    model_state = {k: v for k, v in variables.items() if k != "params"}
     # Everything the step reads is an argument, never a closed-over constant: XLA would fold
     # the frozen stem over constant images at compile time and time less than the real work.
-    batch = {"images": images, "pixel_mask": pixel_mask, "boxes": boxes, "labels": labels}
-    batch["mask"] = mask
-    fixed = {"frozen": frozen, "model_state": model_state}
+    fixed = {"frozen": frozen, "model_state": {k: v for k, v in variables.items() if k != "params"}}
 
     def apply(trainable, fixed, batch, **kwargs):
         params = traverse_util.unflatten_dict({**trainable, **fixed["frozen"]}, sep="/")
@@ -253,7 +305,7 @@ def _our_runner(args: argparse.Namespace, inputs, dtype, use_loss: bool) -> dict
             batch["mask"],
             num_classes=NUM_CLASSES,
             num_queries=NUM_QUERIES,
-            num_dn_queries=args.dn,
+            num_dn_queries=num_dn,
         )
         out = apply(trainable, fixed, batch, train=True, denoise=denoise)
         if not use_loss:
@@ -274,13 +326,33 @@ def _our_runner(args: argparse.Namespace, inputs, dtype, use_loss: bool) -> dict
     def predict(trainable, fixed, batch):
         return dino.postprocess(apply(trainable, fixed, batch), TOP_K)
 
-    state = (trainable, jax.jit(optimizer.init)(trainable))
+    abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(trainable))
+    init = jax.eval_shape if abstract else lambda f, x: jax.jit(f)(x)
+    return {
+        "train": jax.jit(train_step, donate_argnums=(0,)),
+        "predict": jax.jit(predict),
+        "state": (trainable, init(optimizer.init, trainable)),
+        "fixed": fixed,
+    }
+
+
+def _our_runner(args: argparse.Namespace, inputs, dtype, use_loss: bool) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    from ood_jax.models import dino
+
+    module = dino.DINO(num_classes=NUM_CLASSES, remat=args.remat, dtype=dtype)
+    images, boxes, labels, mask = (jnp.asarray(x) for x in inputs)
+    steps = build_train_step(module, _random_variables(module, images), args.dn, use_loss)
+    batch = _batch(images, boxes, labels, mask)
+    state, fixed = steps["state"], steps["fixed"]
     rng = jax.random.key(args.seed)
     start = time.perf_counter()
-    predict_fn = jax.jit(predict).lower(state[0], fixed, batch).compile()
+    predict_fn = steps["predict"].lower(state[0], fixed, batch).compile()
     compile_predict = time.perf_counter() - start
     start = time.perf_counter()
-    step_fn = jax.jit(train_step, donate_argnums=(0,)).lower(state, fixed, batch, rng).compile()
+    step_fn = steps["train"].lower(state, fixed, batch, rng).compile()
     compile_train = time.perf_counter() - start
 
     current, losses = [state], []
@@ -334,14 +406,154 @@ def _op_inputs(args: argparse.Namespace):
 
 
 # --------------------------------------------------------------------------------------------
+# memory (--memory)
+# --------------------------------------------------------------------------------------------
+
+
+def our_step_memory(
+    height: int, width: int, batch: int, dtype, remat: bool, num_dn: int, use_loss: bool
+) -> dict[str, float]:
+    """Bytes our train step needs at batch x height x width, from the compiled step's
+    `memory_analysis()`: everything is abstract (`jax.ShapeDtypeStruct`), nothing runs.
+
+    "peak" is temp + arguments + outputs - aliased: the donated state's outputs reuse its
+    argument buffers, so they are counted once. On CPU, remat shows only with
+    `--xla_disable_hlo_passes=cse_barrier_expander` in XLA_FLAGS before jax starts (`main` sets
+    it; see the module docstring).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from ood_jax.models import dino
+
+    module = dino.DINO(num_classes=NUM_CLASSES, remat=remat, dtype=dtype)
+    spec = jax.ShapeDtypeStruct
+    images = spec((batch, height, width, 3), jnp.float32)
+    variables = jax.eval_shape(
+        module.init, jax.random.key(0), spec((1, height, width, 3), jnp.float32)
+    )
+    steps = build_train_step(module, variables, num_dn, use_loss)
+    targets = (
+        spec((batch, MAX_BOXES, 4), jnp.float32),
+        spec((batch, MAX_BOXES), jnp.int32),
+        spec((batch, MAX_BOXES), bool),
+    )
+    batch_spec = jax.eval_shape(_batch, images, *targets)
+    rng = jax.eval_shape(lambda: jax.random.key(0))
+    start = time.perf_counter()
+    lowered = steps["train"].lower(steps["state"], steps["fixed"], batch_spec, rng)
+    stats = lowered.compile().memory_analysis()
+    sizes = {
+        "temp": stats.temp_size_in_bytes,
+        "arguments": stats.argument_size_in_bytes,
+        "outputs": stats.output_size_in_bytes,
+        "aliased": stats.alias_size_in_bytes,
+    }
+    sizes["peak"] = sizes["temp"] + sizes["arguments"] + sizes["outputs"] - sizes["aliased"]
+    return {**sizes, "compile_s": time.perf_counter() - start}
+
+
+def _torch_step_memory(args: argparse.Namespace) -> dict[str, float]:
+    """transformers' train step at args.hw in a fresh process (see `_torch_memory_child`)."""
+    command = [sys.executable, os.path.abspath(__file__), "--torch-memory-child"]
+    command += ["--size", "x".join(map(str, args.hw)), "--batch", str(args.batch)]
+    command += ["--seed", str(args.seed), "--torch-threads", str(args.torch_threads)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"the torch memory run failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _torch_memory_child(args: argparse.Namespace) -> None:
+    """Prints, as JSON, the peak-RSS increase of one forward + backward + optimizer step of
+    transformers' model (`resource.getrusage` before and after it), and its seconds."""
+    import gc
+    import resource
+
+    import timm  # noqa: F401  (before anything that may load tensorflow; see main)
+    import torch
+
+    torch.set_num_threads(args.torch_threads or os.cpu_count())
+    runner = _torch_runner(args, _inputs(args), use_loss=True)
+    gc.collect()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    runner["train"]()
+    seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"peak_increase": (after - before) * 1024, "seconds": seconds}))  # KiB
+
+
+def _memory_report(args: argparse.Namespace, use_loss: bool) -> None:
+    import jax.numpy as jnp
+    import numpy as np
+
+    height, width = args.hw
+    sizes = [(round(height * f), round(width * f)) for f in (0.5, 0.75, 1.0)]
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    ours = {
+        hw: our_step_memory(*hw, args.batch, dtype, args.remat, args.dn, use_loss) for hw in sizes
+    }
+    other = jnp.float32 if dtype == jnp.bfloat16 else jnp.bfloat16
+    other_name = "float32" if args.dtype == "bfloat16" else "bfloat16"
+    full = our_step_memory(height, width, args.batch, other, args.remat, args.dn, use_loss)
+    torch_memory = None if args.no_torch else _torch_step_memory(args)
+
+    gb = 1e9
+    print(
+        f"DINO-4scale R50 train step memory, batch {args.batch}, remat {args.remat}, "
+        f"{args.dn} denoising budget (ours: compiled step's memory_analysis(), not run; "
+        "peak = temp + arguments + outputs - aliased donated state)"
+    )
+    print(
+        f"  {'size':>10s} {'dtype':>9s} {'temp GB':>8s} {'args GB':>8s} {'out GB':>7s} "
+        f"{'peak GB':>8s} {'compile s':>9s}"
+    )
+    rows = [(hw, args.dtype, m) for hw, m in ours.items()] + [((height, width), other_name, full)]
+    for (h, w), name, m in rows:
+        print(
+            f"  {h:>4d}x{w:<5d} {name:>9s} {m['temp'] / gb:8.2f} {m['arguments'] / gb:8.2f} "
+            f"{m['outputs'] / gb:7.2f} {m['peak'] / gb:8.2f} {m['compile_s']:9.1f}"
+        )
+    areas = np.array([h * w / 1e6 for h, w in sizes])
+    slope, intercept = np.polyfit(areas, [ours[hw]["peak"] / gb for hw in sizes], 1)
+    print(
+        f"  ours ({args.dtype}) scales as {intercept:.2f} GB + {slope:.2f} GB per megapixel of "
+        f"image area at batch {args.batch}; temp buffers grow about linearly with the batch, "
+        f"so a batch of n needs about {ours[sizes[-1]]['arguments'] / gb:.2f} + "
+        f"n x {ours[sizes[-1]]['temp'] / args.batch / gb:.2f} GB at {height}x{width}"
+    )
+    if torch_memory is None:
+        return
+    theirs = torch_memory["peak_increase"]
+    print(
+        f"  torch (transformers two-stage Deformable DETR, fp32): peak RSS +{theirs / gb:.2f} GB "
+        f"for one step ({torch_memory['seconds']:.0f} s)"
+    )
+    by_dtype = {args.dtype: ours[sizes[-1]]["peak"], other_name: full["peak"]}
+    print(
+        f"at {height}x{width}, batch {args.batch}: ours float32 {by_dtype['float32'] / gb:.2f} GB, "
+        f"ours bfloat16 {by_dtype['bfloat16'] / gb:.2f} GB, torch {theirs / gb:.2f} GB; "
+        f"ours/torch float32 {by_dtype['float32'] / theirs:.2f}, "
+        f"bfloat16 {by_dtype['bfloat16'] / theirs:.2f}"
+    )
+
+
+# --------------------------------------------------------------------------------------------
 # report
 # --------------------------------------------------------------------------------------------
 
 
 def main() -> None:
     args = _parse_args()
+    if args.torch_memory_child:
+        _torch_memory_child(args)
+        return
+    if args.memory:  # before jax starts; see the module docstring
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_disable_hlo_passes={CSE_BARRIER_PASS}".strip()
     torch_threads = args.torch_threads or os.cpu_count()
-    if not args.no_torch:
+    if not (args.no_torch or args.memory):  # --memory runs torch in its own process
         # torch (and what it loads) before anything that may import tensorflow: triton
         # segfaults when it loads after TF.
         import timm  # noqa: F401
@@ -363,8 +575,11 @@ def main() -> None:
             f"ood_jax.models.focal_set_loss not importable ({e}): sum of outputs on both sides"
         )
 
+    if args.memory:
+        _memory_report(args, use_loss)
+        return
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
-    inputs = common.random_detection_input(args.seed, args.batch, args.size, MAX_BOXES, NUM_CLASSES)
+    inputs = _inputs(args)
     op_inputs = _op_inputs(args)
     load = os.getloadavg()[0]
 
@@ -387,7 +602,7 @@ def main() -> None:
     print(
         f"DINO-4scale R50 (d 256, 6+6 layers, FFN 2048, {NUM_QUERIES} queries, {args.dn} "
         f"denoising budget) vs transformers Deformable DETR two-stage + box refine (same size): "
-        f"batch {args.batch}, {args.size}x{args.size}; ours in {args.dtype} on "
+        f"batch {args.batch}, {args.hw[0]}x{args.hw[1]}; ours in {args.dtype} on "
         f"{device.platform} ({device.device_kind}), remat {args.remat}"
     )
     threads = "" if theirs is None else f" (torch threads {torch_threads})"

@@ -206,6 +206,19 @@ class DeformableDecoderLayer(_PostNormLayer):
         return self.feed_forward(x, train)
 
 
+def layer_class(layer: type[_PostNormLayer], remat: bool) -> type[nn.Module]:
+    """`layer`, or with `remat` a version that keeps only its inputs for the backward pass and
+    recomputes the rest there (`nn.remat`): at 800x1333 one encoder layer's FFN activations
+    alone are [B, 22223, 2048]. Its `spatial_shapes` and `train` arguments, passed
+    positionally, are static. XLA on GPU and TPU keeps the recomputation apart; its CPU
+    pipeline expands the optimization barriers before CSE, which then merges it back into the
+    forward pass (unless `--xla_disable_hlo_passes=cse_barrier_expander`; bench/dino_step.py)."""
+    if not remat:
+        return layer
+    static = (5, 6) if layer is DeformableEncoderLayer else (6, 8)  # counting self as 0
+    return nn.remat(layer, static_argnums=static)
+
+
 class _Projection(nn.Module):
     """Conv (1x1, or 3x3 stride 2) + GroupNorm: one level of the multi-scale neck."""
 
@@ -401,7 +414,7 @@ def encode_images(
     x = nn.Dropout(input_dropout)(flat.source, deterministic=not train)
     reference = encoder_reference_points(flat.spatial_shapes, flat.ratios)
     for i in range(model.num_encoder_layers):
-        layer = DeformableEncoderLayer(
+        layer = layer_class(DeformableEncoderLayer, model.remat)(
             **layer_kwargs(model, model.encoder_points), name=f"encoder_layers_{i}"
         )
         x = layer(x, flat.pos, reference, flat.mask, flat.spatial_shapes, train)
@@ -428,7 +441,8 @@ class DeformableDetr(backbones.MultiScaleBackboneFields):
         backbone_stages: keyword-only, from `backbones.MultiScaleBackboneFields` (one record:
         `self.backbone_config`); `backbone_stages` are the ResNet stages the neck projects
         (C3-C5 by default).
-      remat: recompute deformable sampling in the backward pass.
+      remat: recompute deformable sampling and every encoder and decoder layer in the backward
+        pass from the layer's inputs (`layer_class`).
       dtype: compute dtype; parameters stay float32.
     """
 
@@ -541,7 +555,7 @@ class DeformableDetr(backbones.MultiScaleBackboneFields):
         # references[i] is what decoder layer i samples around and predicts its box from.
         references, layer_outputs = [reference], []
         for i in range(self.num_decoder_layers):
-            layer = DeformableDecoderLayer(
+            layer = layer_class(DeformableDecoderLayer, self.remat)(
                 **layer_kwargs(self, self.decoder_points),
                 attention_dropout=self.attention_dropout,
                 name=f"decoder_layers_{i}",

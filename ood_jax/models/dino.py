@@ -94,7 +94,8 @@ class DINO(backbones.MultiScaleBackboneFields):
       backbone, backbone_norm, freeze_backbone, backbone_frozen_stages, dilation,
         backbone_stages: keyword-only, from `backbones.MultiScaleBackboneFields`, as in
         `DeformableDetr`; a ViT name gives the simple feature pyramid of its stride-16 map.
-      remat: recompute deformable sampling in the backward pass.
+      remat: recompute deformable sampling and every encoder and decoder layer in the backward
+        pass from the layer's inputs (`deformable_detr.layer_class`).
       dtype: compute dtype; parameters stay float32.
     """
 
@@ -265,7 +266,7 @@ class DINO(backbones.MultiScaleBackboneFields):
             ref_input = ddetr.decoder_reference_input(reference, flat.ratios)
             sine = anchor_sine_embedding(ref_input[:, :, 0], self.hidden_dim // 2)
             query_pos = ref_point_head(sine.astype(self.dtype))
-            layer = ddetr.DeformableDecoderLayer(
+            layer = ddetr.layer_class(ddetr.DeformableDecoderLayer, self.remat)(
                 **ddetr.layer_kwargs(self, self.decoder_points),
                 attention_dropout=self.dropout,
                 name=f"decoder_layers_{i}",
