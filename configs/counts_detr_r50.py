@@ -54,6 +54,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     config.model = ml_collections.ConfigDict()
     config.model.name = "detr"
+    # Compute dtype of the detector: "float32", or "bfloat16" for mixed precision (parameters,
+    # optimizer state, EMA, losses and matching stay float32; ood_jax/models/registry.py). It
+    # may change on resume: the checkpoints are float32 either way.
+    config.model.dtype = "float32"
     # torchvision/timm ResNet-50 ImageNet weights (.pth or .safetensors); empty: random init.
     config.model.backbone_weights = ""
     config.model.args = ml_collections.ConfigDict()

@@ -48,6 +48,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.model = ml_collections.ConfigDict()
     config.model.name = "detr"
     config.model.backbone_weights = ""  # none: pretrained on the training domains (below)
+    # Compute dtype of the detector: "float32", or "bfloat16" for mixed precision (parameters,
+    # optimizer state, EMA, losses and matching stay float32; ood_jax/models/registry.py). It
+    # may change on resume: the checkpoints are float32 either way.
+    config.model.dtype = "float32"
     config.model.args = ml_collections.ConfigDict()
     config.model.args.num_classes = 8
     config.model.args.num_queries = 10 if smoke else 16

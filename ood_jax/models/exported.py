@@ -4,7 +4,11 @@ An exported detector is one self-contained file, flax.serialization msgpack of o
 (format version 1):
 
   format_version  1
-  model           config.model as a dict: {"name": ..., "args": {...}} for `registry.build_model`
+  model           config.model as a dict: {"name": ..., "args": {...}, "dtype": ...} for
+                  `registry.build_model`; "dtype" is the compute dtype the checkpoint was
+                  trained in, which its run's evaluation used too, so the file's detections
+                  are the ones that evaluation measured ("float32" when absent, as in files
+                  written before the switch)
   input           what inference needs of config.input: image_size (the padded canvas side),
                   eval_size (shorter side after resizing), max_size (cap on the longer side),
                   mean and std (per channel, applied to pixels scaled to [0, 1])

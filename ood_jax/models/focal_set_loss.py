@@ -37,7 +37,8 @@ are traced and compiled once per shape, not once per layer.
 Training. `make_loss_fn(model, config, denoise)` wraps the forward pass (with DINO's denoising
 queries when `denoise` configures them) and `focal_set_loss` into the pure
 `(variables, batch, rng, mutable) -> (loss, (metrics, model_state))` that
-`ood_jax.models.deformable_detr.make_loss` and `ood_jax.models.dino.make_loss` return.
+`ood_jax.models.deformable_detr.make_loss` and `ood_jax.models.dino.make_loss` return; the
+outputs reach the loss in float32 whatever the compute dtype (`set_loss.float32_outputs`).
 """
 
 import dataclasses
@@ -55,7 +56,7 @@ from flax import linen as nn
 from ood_jax import boxes as box_lib
 from ood_jax.models import denoising
 from ood_jax.models.registry import LossFn
-from ood_jax.models.set_loss import batch_targets, hungarian_match
+from ood_jax.models.set_loss import batch_targets, float32_outputs, hungarian_match
 
 # Where a query has no box to regress, L1/GIoU are computed against this well-formed box and
 # masked out, so no degenerate geometry reaches the gradient.
@@ -400,7 +401,7 @@ def make_loss_fn(
             mutable=list(mutable),
             **extra,
         )
-        total, metrics = focal_set_loss(outputs, targets, config, denoise=queries)
+        total, metrics = focal_set_loss(float32_outputs(outputs), targets, config, denoise=queries)
         return total, (metrics, model_state)
 
     return loss

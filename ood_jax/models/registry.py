@@ -1,4 +1,5 @@
-"""Detector families by name, so configs stay data: `config.model = {"name": ..., "args": {...}}`.
+"""Detector families by name, so configs stay data:
+`config.model = {"name": ..., "args": {...}, "dtype": ...}`.
 
 A family is a module of `ood_jax.models` (`FAMILIES` maps config names to them), imported when
 first asked for. Every family module exports the same surface:
@@ -10,6 +11,11 @@ first asked for. Every family module exports the same surface:
     with `config.loss` weights and whatever else the family reads from the config;
   * `load_backbone(model_args, path) -> variables`: pretrained backbone variables for the flat
     `config.model.args`.
+
+`config.model.dtype` is the detector's compute dtype, one switch for every family
+(`COMPUTE_DTYPES`; "float32" when absent, as in configs and exported files from before it):
+`build_model` passes it as the model's `dtype`. Parameters stay float32 in either, and every
+family returns float32 logits and boxes.
 
 Importing a family does not import the training stack: the losses (optax) are imported by
 `make_loss` only.
@@ -23,6 +29,7 @@ from types import ModuleType
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 from flax import linen as nn
 
@@ -31,6 +38,10 @@ FAMILIES = {
     "deformable_detr": "ood_jax.models.deformable_detr",
     "dino": "ood_jax.models.dino",
 }
+
+# config.model.dtype -> the compute dtype `build_model` gives the detector (bfloat16: mixed
+# precision, parameters and optimizer state float32, losses and matching float32).
+COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 # A training loss, pure: (variables, batch, rng, mutable) -> (loss, (metrics, model_state)),
 # with `variables` holding the parameters being differentiated and `mutable` the collections
@@ -55,7 +66,21 @@ def family_of(model: nn.Module) -> ModuleType:
     return family(name)
 
 
+def compute_dtype(config: ml_collections.ConfigDict) -> Any:
+    """The compute dtype `config` (config.model) names; ValueError naming the field if none."""
+    name = config.get("dtype", "float32")
+    if not isinstance(name, str) or name not in COMPUTE_DTYPES:
+        raise ValueError(
+            f"config.model.dtype: {name!r} is not a compute dtype; use one of "
+            + ", ".join(map(repr, COMPUTE_DTYPES))
+        )
+    return COMPUTE_DTYPES[name]
+
+
 def build_model(config: ml_collections.ConfigDict) -> nn.Module:
     """`config` is config.model: the family `config.name` names, its `Model` built from
-    `config.args`."""
-    return family(config.name).Model(**config.get("args", {}))
+    `config.args`, computing in `config.dtype`."""
+    args = config.get("args", {})
+    if "dtype" in args:  # one switch: a second one here could silently disagree with it
+        raise ValueError("config.model.args.dtype: set the compute dtype as config.model.dtype")
+    return family(config.name).Model(**args, dtype=compute_dtype(config))

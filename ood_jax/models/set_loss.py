@@ -9,6 +9,10 @@ and then supervised with softmax cross-entropy over `num_classes + 1` (the last 
 "no object", weighted `eos_coef`), plus L1 and 1 - GIoU on the matched pairs. Everything has fixed
 shapes and stays on device: no host callbacks, no Python loops over examples.
 
+Precision. Matching costs and losses are float32 whatever the model computes in
+(`config.model.dtype`): the training losses read the model's outputs through
+`float32_outputs`, the one cast between a bfloat16 forward pass and the loss.
+
 Padding. Targets come padded to `max_boxes` with a validity mask. With Q queries and M target
 slots, the matcher assigns every one of the M columns to one of N = max(Q, M) rows:
 
@@ -32,8 +36,8 @@ weighted mean over all queries of the batch, as torch's `cross_entropy(weight=..
 
 Training. `make_loss_fn(model, config)` wraps the forward pass and `set_loss` into the pure
 `(variables, batch, rng, mutable) -> (loss, (metrics, model_state))` a family's `make_loss`
-returns (`ood_jax.models.detr.make_loss`); `batch_targets` and `config_weights` are what the
-families' training losses share. `hungarian_match` also serves the focal set loss
+returns (`ood_jax.models.detr.make_loss`); `batch_targets`, `config_weights` and
+`float32_outputs` are what the families' training losses share. `hungarian_match` also serves the focal set loss
 (`ood_jax.models.focal_set_loss`).
 """
 
@@ -225,6 +229,17 @@ def batch_targets(batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     return {"boxes": batch["boxes"], "labels": batch["labels"], "mask": batch["box_mask"]}
 
 
+def float32_outputs(outputs: Any) -> Any:
+    """A model's outputs as the matchers and losses read them: every floating-point array in
+    float32, so that matching costs and losses are float32 with a bfloat16 forward pass too
+    (the families' heads already return float32; this holds for any family)."""
+
+    def cast(x: jax.Array) -> jax.Array:
+        return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    return jax.tree.map(cast, outputs)
+
+
 def config_weights(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """`config.loss` (weights, matching costs; none: the loss's defaults) as keyword arguments
     of a loss config dataclass."""
@@ -246,7 +261,7 @@ def make_loss_fn(model: nn.Module, config: SetLossConfig) -> LossFn:
             mutable=list(mutable),
         )
         total, metrics = set_loss(
-            outputs,
+            float32_outputs(outputs),
             batch_targets(batch),
             config,
             num_query_groups=getattr(model, "num_query_groups", 1),

@@ -1,14 +1,18 @@
 """Checks of a training config before anything runs; errors name the field.
 
 `check_numbers`: a negative step count or a zero batch size would otherwise train nothing (or
-fail deep inside XLA) and still exit 0 with results of the untrained model.
+fail deep inside XLA) and still exit 0 with results of the untrained model; a compute dtype
+(`config.model.dtype`) that is none would fail only once the dataset is built.
 
 `check_resume`: a workdir with checkpoints belongs to the config that trained them (stored as
 its config.json). Resuming with another model, data, input, optimizer, loss or seed would either
 fail inside orbax (other shapes) or, worse, continue a different experiment under the old
 one's name. Only the fields of `FREE_ON_RESUME` may change: how long and how often (steps,
 intervals, checkpoints kept, eval batch size), where files are (data_dir, backbone_weights,
-which is read on a fresh start only) and on which devices (mesh, partition rules, multi-host).
+which is read on a fresh start only), on which devices (mesh, partition rules, multi-host) and
+in which compute dtype (`config.model.dtype`: parameters and optimizer state are float32 in
+either, so the checkpoints restore as they are, as they do onto another mesh; the change is
+said when resuming, `resume_notes`, and recorded in the config the run saves).
 Every other field, including any a config adds later, is checked; a field added after
 workdirs were trained without it (`ADDED_FIELDS`) is compared as the value it then had.
 Whether EMA is on (`config.ema_decay` > 0) may not change at all, not even with
@@ -23,6 +27,8 @@ import pathlib
 from typing import Any
 
 import ml_collections
+
+from ood_jax.models import registry
 
 # field path -> (kind, lower bound, whether the bound itself is allowed)
 _RULES: dict[str, tuple[type, float, bool]] = {
@@ -60,8 +66,8 @@ def _lookup(config: ml_collections.ConfigDict, path: str) -> tuple[bool, Any]:
 
 
 def check_numbers(config: ml_collections.ConfigDict) -> None:
-    """Raises ValueError naming the first field of `_RULES` whose value is out of range, or
-    an ema_decay of 1 or more."""
+    """Raises ValueError naming the first field of `_RULES` whose value is out of range, an
+    ema_decay of 1 or more, or a config.model.dtype that is no compute dtype."""
     for path, (kind, low, inclusive) in _RULES.items():
         present, value = _lookup(config, path)
         if not present:
@@ -78,6 +84,8 @@ def check_numbers(config: ml_collections.ConfigDict) -> None:
         raise ValueError(
             f"config.ema_decay: must be < 1 (0 turns EMA off), got {config.ema_decay!r}"
         )
+    if "model" in config:
+        registry.compute_dtype(config.model)
 
 
 def ema_enabled(config: ml_collections.ConfigDict | dict) -> bool:
@@ -100,6 +108,7 @@ FREE_ON_RESUME = (
     "dataset.data_dir",
     "dataset.build_if_missing",
     "model.backbone_weights",
+    "model.dtype",
     "allow_config_change",
 )
 
@@ -107,7 +116,15 @@ _ABSENT = object()
 
 # Fields added after workdirs were trained without them -> the value an older config.json that
 # lacks one stands for (what the trainer did before), so resuming those is no change.
-ADDED_FIELDS = {"ema_decay": 0.0, "ema_warmup": True}
+ADDED_FIELDS = {"ema_decay": 0.0, "ema_warmup": True, "model.dtype": "float32"}
+
+# Free fields whose change still changes what the resumed steps compute -> what resuming says.
+NOTED_ON_RESUME = {
+    "model.dtype": (
+        "parameters and optimizer state are float32 in either dtype, so the checkpoints "
+        "resume as they are; the steps from here compute in the new one"
+    ),
+}
 
 
 def config_values(config: ml_collections.ConfigDict | dict) -> dict[str, Any]:
@@ -149,6 +166,15 @@ def describe_changes(changes: list[tuple[str, Any, Any]]) -> str:
         return "(absent)" if v is _ABSENT else json.dumps(v)
 
     return ", ".join(f"{path} {value(old)} -> {value(new)}" for path, old, new in changes)
+
+
+def resume_notes(stored: dict, config: ml_collections.ConfigDict) -> list[str]:
+    """One line per `NOTED_ON_RESUME` field that differs from the stored config."""
+    return [
+        f"config.{describe_changes([change])}: {NOTED_ON_RESUME[change[0]]}"
+        for change in changed_fields(stored, config)
+        if change[0] in NOTED_ON_RESUME
+    ]
 
 
 def check_resume(

@@ -16,6 +16,11 @@ With `config.ema_decay` > 0 the state also keeps an exponential moving average o
 parameters (`EmaTrainState`, `optim.update_ema`), updated in the train step, saved in the
 checkpoints, and used by evaluation and export in place of the parameters.
 
+`config.model.dtype` is the detectors' compute dtype ("bfloat16": mixed precision): the state
+(parameters, optimizer state, EMA) is float32 whichever it is, and the losses and their
+matching read the model's outputs in float32 (`set_loss.float32_outputs`). Evaluation computes
+in it too; detections (`postprocess`) are float32.
+
 A workdir keeps the config its checkpoints were trained with (config.json); `train` and
 `evaluate` refuse another one by field (`config_checks.check_resume`). A damaged newest checkpoint
 is moved aside and the next older one used (`checkpoint.Checkpointer.restore_newest`). Ctrl-C
@@ -461,7 +466,8 @@ def check_workdir_config(
     config: ml_collections.ConfigDict, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer
 ) -> None:
     """Refuses a workdir whose checkpoints were trained with another config, naming each changed
-    field (`config_checks.check_resume`); says which changes allow_config_change let through.
+    field (`config_checks.check_resume`); says which changes allow_config_change let through,
+    and which free ones change what is computed (`config_checks.resume_notes`: the dtype).
 
     A workdir without checkpoints has nothing to resume, so its config.json is simply replaced.
     """
@@ -476,12 +482,16 @@ def check_workdir_config(
             "checkpoints were trained with, or use a fresh --workdir"
         ) from None
     allowed = config_checks.check_resume(stored, config, workdir)
-    if allowed and _is_primary():
+    if not _is_primary():
+        return
+    if allowed:
         print(
             f"Using {workdir}'s checkpoints with a changed config (config.allow_config_change): "
             + config_checks.describe_changes(allowed),
             flush=True,
         )
+    for note in config_checks.resume_notes(stored, config):
+        print(f"Using {workdir}'s checkpoints with {note}", flush=True)
 
 
 def restore_newest(experiment: Experiment, then: str) -> checkpoint.Restored | None:
