@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import io
 import json
 import pathlib
@@ -28,6 +27,7 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import test_checkpoint_recovery as recovery
 
 from ood_jax import cli, datasets, sharding
 from ood_jax.data import pipeline
@@ -43,19 +43,7 @@ DECAY = 0.5
 
 
 def smoke_config(data_dir: pathlib.Path | None = None, **overrides) -> ml_collections.ConfigDict:
-    spec = importlib.util.spec_from_file_location("synthetic_detr_config", CONFIG_FILE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config("smoke")
-    config.dataset.data_dir = str(data_dir)
-    config.total_steps, config.checkpoint_every, config.log_every = STEPS, 2, 1
-    for name, value in overrides.items():
-        *parents, leaf = name.split("__")
-        node = config
-        for parent in parents:
-            node = node[parent]
-        node[leaf] = value
-    return config
+    return recovery.smoke_config(data_dir, total_steps=STEPS, **overrides)
 
 
 def load_state(workdir: pathlib.Path, step: int) -> dict:
