@@ -14,6 +14,7 @@ $(VENV)/.runtime: pyproject.toml
 
 $(VENV)/.installed: $(VENV)/.runtime
 	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps nuscenes-devkit==1.2.0  # see pyproject's `sources` extra
 	touch $@
 
 demo: $(VENV)/.runtime
