@@ -45,7 +45,7 @@ def run(args: argparse.Namespace, data_dir: str) -> None:
     start = time.perf_counter()
     builder = datasets.build("synthetic_shifts", data_dir, config="demo")
     built = time.perf_counter() - start
-    split = counts.split_expression("train", counts.DOMAINS)
+    split = counts.images_within("train", counts.DOMAINS, builder.info.splits.keys())
     config = ml_collections.ConfigDict(
         {
             "image_size": args.image_size,

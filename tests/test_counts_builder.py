@@ -41,7 +41,7 @@ class Expected:
     file_name: str
     width: int
     height: int
-    domain: str
+    domains: tuple[str, ...]  # as the source lists them; the first is the record's `domain`
     source_bytes: bytes
     # Kept objects: absolute xyxy, COUNTS category name, area, is_crowd, annotation id.
     boxes: list[tuple[float, float, float, float]] = dataclasses.field(default_factory=list)
@@ -86,8 +86,11 @@ def _annotation_cases(width: int, height: int) -> list[tuple[list[float], dict, 
     ]  # fmt: skip
 
 
-def make_source(root: pathlib.Path, layout: dict[str, list[str]], seed: int = 0) -> Source:
-    """A release tree with one image per entry of `layout` (split -> canonical domains).
+def make_source(
+    root: pathlib.Path, layout: dict[str, list[str | tuple[str, ...]]], seed: int = 0
+) -> Source:
+    """A release tree with one image per entry of `layout` (split -> canonical domain, or a
+    tuple of them for an image of several, written as the list the source field may hold).
 
     Every image cycles through the annotation cases (boxes past the edge, zero width, crowd,
     area != w * h, outside the image); every fifth image has none, every fourth is a PNG, and
@@ -100,7 +103,8 @@ def make_source(root: pathlib.Path, layout: dict[str, list[str]], seed: int = 0)
     count, ann_id = 0, 1000
     for split, domains in layout.items():
         images, annotations = [], []
-        for domain in domains:
+        for entry in domains:
+            listed = (entry,) if isinstance(entry, str) else entry
             height, width = int(rng.integers(20, 41)), int(rng.integers(24, 49))
             png = count % 4 == 3
             file_name = f"sub/{split}_{count}.{'png' if png else 'jpg'}"
@@ -116,10 +120,12 @@ def make_source(root: pathlib.Path, layout: dict[str, list[str]], seed: int = 0)
                     "file_name": file_name,
                     "width": width,
                     "height": height,
-                    "domain": SPELLING.get(domain, domain),
+                    "domain": (
+                        SPELLING.get(entry, entry) if isinstance(entry, str) else list(entry)
+                    ),
                 }
             )
-            record = Expected(split, image_id, file_name, width, height, domain, buffer.getvalue())
+            record = Expected(split, image_id, file_name, width, height, listed, buffer.getvalue())
             cases = _annotation_cases(width, height)
             chosen = [] if count % 5 == 4 else [cases[(count + k) % 6] for k in range(3)]
             for k, (bbox, extra, outcome) in enumerate(chosen):
@@ -150,10 +156,13 @@ def build(source: Source | pathlib.Path, data_dir: pathlib.Path, on_error: str =
     return datasets.build("counts", str(data_dir), source=str(root), on_error=on_error)
 
 
+# Images of several domains: two training domains (stored once, trained on once), a training and
+# a target domain (never trained on), two targets (tested on under each), a target and a
+# training domain in test (held out, so not in iid).
 FULL_LAYOUT = {
-    "train": list(counts.DOMAINS) + ["handmade", "snow"],
+    "train": [*counts.DOMAINS, "handmade", "snow", ("street", "road"), ("sky", "Snow")],
     "val": ["snow", "handmade", "snow"],
-    "test": list(counts.DOMAINS),
+    "test": [*counts.DOMAINS, ("water", "sky"), ("indoor", "grass"), ("road", "street")],
 }
 
 
@@ -173,7 +182,10 @@ def _records(data_dir: pathlib.Path, split: str) -> dict[int, dict]:
 
 def _check_record(record: dict, want: Expected, label_names) -> None:
     assert record["image/filename"].decode() == want.file_name
-    assert counts.DOMAINS[record["domain"]] == want.domain
+    assert counts.DOMAINS[record["domain"]] == counts.canonical_domain(want.domains[0])
+    assert [counts.DOMAINS[d] for d in record["domains"]] == list(
+        counts.ordered_domains(want.domains)
+    )
     image = record["image"]
     assert image.shape == (want.height, want.width, 3)
     with Image.open(io.BytesIO(want.source_bytes)) as source_image:
@@ -197,8 +209,8 @@ def test_records_match_the_source(full):
     assert label_names == list(counts.CATEGORIES)
     by_split: dict[str, list[Expected]] = {}
     for want in source.expected:
-        by_split.setdefault(counts.split_name(want.split, want.domain), []).append(want)
-    # Only (split, domain) pairs with images exist; TFDS cannot write an empty split.
+        by_split.setdefault(counts.split_name(want.split, want.domains), []).append(want)
+    # Only the domain sets with images exist; TFDS cannot write an empty split.
     assert sorted(builder.info.splits.keys()) == sorted(by_split)
     checked = 0
     for split, wanted in by_split.items():
@@ -208,7 +220,8 @@ def test_records_match_the_source(full):
         for want in wanted:
             _check_record(records[want.id], want, label_names)
             checked += 1
-    assert checked == len(source.expected) == 33
+    assert checked == len(source.expected) == 38
+    assert {"train_street_road", "train_snow_sky", "test_water_sky"} <= set(by_split)
     assert any(w.boxes == [] for w in source.expected)
 
 
@@ -222,7 +235,7 @@ def test_jpeg_sources_are_stored_byte_for_byte(full):
         decoders={"image": tfds.decode.SkipDecoding()},
     )
     stored = {int(r["image/id"]): r["image"] for r in tfds.as_numpy(ds)}
-    wanted = [w for w in source.expected if w.split == "train" and w.domain == "snow"]
+    wanted = [w for w in source.expected if w.split == "train" and w.domains == ("snow",)]
     assert len(stored) == len(wanted) == 2
     for want in wanted:
         if want.file_name.endswith(".jpg"):
@@ -241,16 +254,58 @@ def test_report_counts_dropped_and_clipped_boxes(full):
     assert builder.report.skipped_images == []
 
 
-def test_held_out_split_expressions_load(full):
-    source, _, data_dir = full
-    sources = set(counts.DOMAINS) - set(counts.PAPER_TARGET_DOMAINS)
-    expressions = counts.held_out_split_expressions()
-    assert set(expressions) == {"train", "iid", *counts.PAPER_TARGET_DOMAINS}
+def test_held_out_splits_are_defined_on_images(full):
+    """Train: every training image none of whose domains is a target; target t: every test
+    image carrying t; iid: the test images of no target. No image is read twice."""
+    source, builder, data_dir = full
+    targets = set(counts.PAPER_TARGET_DOMAINS)
+    expressions = counts.held_out_split_expressions(builder.info.splits.keys())
+    assert set(expressions) == {"train", "iid", *targets}
     for key, expression in expressions.items():
         split = "train" if key == "train" else "test"
-        domains = sources if key in ("train", "iid") else {key}
-        wanted = {w.id for w in source.expected if w.split == split and w.domain in domains}
-        assert set(_records(data_dir, expression)) == wanted, key
+        wanted = {
+            w.id
+            for w in source.expected
+            if w.split == split
+            and (
+                not targets & set(counts.ordered_domains(w.domains))
+                if key in ("train", "iid")
+                else key in counts.ordered_domains(w.domains)
+            )
+        }
+        ds = tfds.load("counts", split=expression, data_dir=str(data_dir), download=False)
+        ids = [int(r["image/id"]) for r in tfds.as_numpy(ds)]
+        assert len(ids) == len(set(ids)) and set(ids) == wanted, key
+    multi = {w.domains: w.id for w in source.expected if len(w.domains) > 1}
+    train_ids = set(_records(data_dir, expressions["train"]))
+    assert multi[("street", "road")] in train_ids and multi[("sky", "Snow")] not in train_ids
+    assert multi[("water", "sky")] in set(_records(data_dir, expressions["water"]))
+    assert multi[("water", "sky")] in set(_records(data_dir, expressions["sky"]))
+    assert multi[("indoor", "grass")] not in set(_records(data_dir, expressions["iid"]))
+    assert multi[("road", "street")] in set(_records(data_dir, expressions["iid"]))
+
+
+def test_split_names_read_back():
+    for split in counts.SOURCE_SPLITS:
+        for domains in (("sky",), ("water", "sky"), tuple(counts.DOMAINS)):
+            name = counts.split_name(split, domains)
+            assert counts.parse_split_name(name) == (split, counts.ordered_domains(domains))
+    assert counts.parse_split_name("train_sky_water") is None  # not in domain order
+    assert counts.parse_split_name("train_sky_sky") is None
+    assert counts.parse_split_name("iid") is None
+    with pytest.raises(ValueError, match="no test image carries sky"):
+        counts.held_out_split_expressions(["train_dim", "test_dim"], targets=["sky"])
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [([], "non-empty list"), (["sky", 3], "non-empty list"), (["sky", "moon"], "'moon'")],
+)
+def test_bad_domain_lists_fail_naming_the_image(tmp_path, value, message):
+    source = make_source(tmp_path / "src", {"train": ["sky"]})
+    source.coco["train"]["images"][0]["domain"] = value
+    with pytest.raises(building.BuildError, match=rf"train.json: images\[0\] .*{message}"):
+        build(source, tmp_path / "data")
 
 
 def test_readable_without_ood_jax(full, tmp_path):
@@ -288,18 +343,18 @@ def test_readable_without_ood_jax(full, tmp_path):
     assert len(got) == len(source.expected)
     for want in source.expected:
         record = got[str(want.id)]
-        assert record["split"] == counts.split_name(want.split, want.domain)
+        assert record["split"] == counts.split_name(want.split, want.domains)
         assert record["shape"] == [want.height, want.width, 3]
         assert record["labels"] == want.labels
 
 
 def _assert_nothing_finished(data_dir: pathlib.Path) -> None:
-    assert not (data_dir / "counts" / "1.0.0").exists()
+    assert not (data_dir / "counts" / "1.1.0").exists()
     assert list(data_dir.rglob("dataset_info.json")) == []
-    leftovers = [p for p in data_dir.rglob("*") if "1.0.0" in p.name]
+    leftovers = [p for p in data_dir.rglob("*") if "1.1.0" in p.name]
     assert all("incomplete" in p.name for p in leftovers), leftovers
     with pytest.raises(OSError, match="Could not read dataset info"):
-        tfds.builder_from_directory(str(data_dir / "counts" / "1.0.0"))
+        tfds.builder_from_directory(str(data_dir / "counts" / "1.1.0"))
 
 
 SMALL_LAYOUT = {"val": ["snow", "dim", "snow"], "test": ["snow", "handmade"]}
@@ -426,3 +481,20 @@ def test_cli_prints_splits_and_report(tmp_path, capsys):
     assert f"boxes clipped to the image: {clipped}\n" in printed
     with pytest.raises(SystemExit, match=f"error: .*{source.expected[0].file_name}: corrupt"):
         cli.main([*argv[:-1], str(tmp_path / "d2")])
+
+
+def test_oodg_reads_every_image_carrying_a_domain(full):
+    """`ood-jax mine oodg --domains` draws from the images carrying a domain, however many
+    others they carry; an image of several counts as the first asked for."""
+    from ood_jax.mining import oodg
+
+    source, builder, _ = full
+    records = oodg.read_records(builder, "test", ["sky", "water"])
+    carrying = {
+        w.id: w for w in source.expected if w.split == "test" and {"sky", "water"} & set(w.domains)
+    }
+    assert sorted(r.image_id for r in records) == sorted(carrying)
+    for record in records:
+        domains = counts.ordered_domains(carrying[record.image_id].domains)
+        assert record.split == counts.split_name("test", domains)
+        assert record.domain == next(d for d in ("water", "sky") if d in domains)

@@ -131,7 +131,7 @@ def test_predict_prepares_images_as_the_eval_pipeline(run):
     config = run["config"]
     model = load_exported(run["exported"])
     builder = tfds.builder(config.dataset.name, data_dir=config.dataset.data_dir)
-    split = train.experiment_splits(config.dataset)["sky"]
+    split = train.experiment_splits(config.dataset, builder)["sky"]
     eval_input = ml_collections.ConfigDict(config.input.to_dict())
     eval_input.batch_size = 4
     batch = next(pipeline.eval_dataset(builder, split, eval_input).as_numpy_iterator())

@@ -451,7 +451,7 @@ def test_training_and_evaluation_manifests(tmp_path):
     builder = datasets.load("synthetic_shifts/tiny", str(tmp_path / "tfds"))
     assert trained["dataset"] == {
         **manifest.tfds_dataset(builder),
-        "splits": train.experiment_splits(config.dataset),
+        "splits": train.experiment_splits(config.dataset, builder),
     }
     assert trained["dataset"]["name"] == "synthetic_shifts"
     assert trained["dataset"]["config"] == "tiny"

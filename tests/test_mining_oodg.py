@@ -288,7 +288,7 @@ def test_example_split_and_domains_options(mined, tmp_path):
         (("grounding", "iid", 0, 3), r"the other settings at least 1"),
         (("mapping", "label_shift", 4, 3), r"no item could be built"),
         (("grounding", "iid", 1, 3, "--split", "val"), r"no split val_"),
-        (("grounding", "iid", 1, 3, "--domains", "moon"), r"no split test_moon"),
+        (("grounding", "iid", 1, 3, "--domains", "moon"), r"unknown domain 'moon'"),
     ],
 )
 def test_impossible_requests_fail_clearly(mined, tmp_path, args, message):

@@ -129,7 +129,10 @@ def test_loads_by_name_with_split_expressions(tiny):
     _, data_dir = tiny
     ds = tfds.load("synthetic_shifts/tiny", split="train_dim+test_dim", data_dir=str(data_dir))
     assert sum(1 for _ in ds) == TINY["train"] + TINY["test"]
-    expressions = counts.held_out_split_expressions(targets=("sky", "handmade"))
+    builder = tfds.builder("synthetic_shifts/tiny", data_dir=str(data_dir))
+    expressions = counts.held_out_split_expressions(
+        builder.info.splits.keys(), targets=("sky", "handmade")
+    )
     sources = len(counts.DOMAINS) - 2
     sizes = {"train": TINY["train"] * sources, "iid": TINY["test"] * sources}
     for key, expression in expressions.items():

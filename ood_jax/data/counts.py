@@ -1,13 +1,25 @@
 """COUNTS' label space, its 14 domains, and O(OD)^2 split expressions.
 
-Every detection dataset here (COUNTS and the synthetic stand-in) has one split per
-(source split, domain), named `{split}_{domain}`, so a protocol that trains on some domains and
-tests on others is a TFDS split expression such as "train_dim+train_snow".
+Every detection dataset here (COUNTS and the synthetic stand-in) stores each image once, in the
+split of its source split and its domains: `{split}_{domain}` for an image of one domain, and
+`{split}_{d1}_{d2}...` (DOMAINS order) for an image of several (COUNTS' Table 6 counts about
+25k of its 222k images in more than one domain). Domain names hold no underscore, so a split
+name reads back unambiguously (`parse_split_name`).
+
+O(OD)^2 is defined on images, and so on these splits:
+
+    train of targets T      every training image none of whose domains is in T
+    test of target t        every test image that carries t
+    iid                     every test image none of whose domains is in T
+
+Each is a union of whole splits, so a TFDS split expression such as "train_dim+train_snow"
+(`held_out_split_expressions`, given the splits a build has), and no image is read twice in
+one epoch.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 # Table 7 of the COUNTS paper, in its order.
 CATEGORIES = (
@@ -39,42 +51,87 @@ def canonical_domain(name: str) -> str:
     return domain
 
 
-def split_name(split: str, domain: str) -> str:
-    return f"{split}_{domain}"
+def split_name(split: str, domains: str | Sequence[str]) -> str:
+    """The split holding the images of `split` whose domains are exactly `domains`."""
+    domains = [domains] if isinstance(domains, str) else domains
+    return "_".join((split, *ordered_domains(domains)))
 
 
-def split_expression(split: str, domains: Sequence[str]) -> str:
-    """TFDS split expression for the union of `split` over `domains`."""
+def ordered_domains(domains: Iterable[str]) -> tuple[str, ...]:
+    """Domains, canonical, without repeats, in DOMAINS order; ValueError if none."""
+    canonical = {canonical_domain(d) for d in domains}
+    if not canonical:
+        raise ValueError("no domains given")
+    return tuple(d for d in DOMAINS if d in canonical)
+
+
+def parse_split_name(name: str) -> tuple[str, tuple[str, ...]] | None:
+    """(source split, domains) of a split `split_name` made; None for any other name."""
+    split, *domains = name.split("_")
+    if split not in SOURCE_SPLITS or not domains or any(d not in DOMAINS for d in domains):
+        return None
+    return (split, tuple(domains)) if split_name(split, domains) == name else None
+
+
+def _union(
+    split: str, available: Iterable[str], keep: Callable[[frozenset[str]], bool], what: str
+) -> str:
     if split not in SOURCE_SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SOURCE_SPLITS}")
-    if not domains:
-        raise ValueError("no domains given")
-    return "+".join(split_name(split, canonical_domain(d)) for d in domains)
+    available = sorted(available)
+    chosen = {}
+    for name in available:
+        found = parse_split_name(name)
+        if found and found[0] == split and keep(frozenset(found[1])):
+            chosen[name] = [DOMAINS.index(d) for d in found[1]]
+    if not chosen:
+        raise ValueError(f"no {split} image {what} (splits: {', '.join(available)})")
+    return "+".join(sorted(chosen, key=chosen.get))
+
+
+def images_with(split: str, domains: Sequence[str], available: Iterable[str]) -> str:
+    """Split expression of every `split` image that carries at least one of `domains`."""
+    wanted = set(ordered_domains(domains))
+    return _union(
+        split, available, lambda have: bool(have & wanted), f"carries {', '.join(sorted(wanted))}"
+    )
+
+
+def images_within(split: str, domains: Sequence[str], available: Iterable[str]) -> str:
+    """Split expression of every `split` image all of whose domains are among `domains`."""
+    allowed = set(ordered_domains(domains))
+    return _union(
+        split, available, lambda have: have <= allowed, f"lies in {', '.join(sorted(allowed))} only"
+    )
 
 
 def held_out_split_expressions(
+    available: Iterable[str],
     targets: Sequence[str] = PAPER_TARGET_DOMAINS,
     train_split: str = "train",
     test_split: str = "test",
 ) -> dict[str, str]:
-    """O(OD)^2: train on every domain except `targets`; test in-domain and on each target.
+    """O(OD)^2 over a build's splits `available`: train on the images of no target domain;
+    test in-domain and on each target (module doc).
 
-    Returns {"train": ..., "iid": <test split of the training domains>, <target>: ...}.
+    Returns {"train": ..., "iid": <test images of no target domain>, <target>: ...}.
     """
-    targets = [canonical_domain(t) for t in targets]
+    targets = ordered_domains(targets)
     sources = [d for d in DOMAINS if d not in targets]
     if not sources:
         raise ValueError("every domain is a target; nothing is left to train on")
+    available = list(available)
     expressions = {
-        "train": split_expression(train_split, sources),
-        "iid": split_expression(test_split, sources),
+        "train": images_within(train_split, sources, available),
+        "iid": images_within(test_split, sources, available),
     }
-    expressions.update({t: split_expression(test_split, [t]) for t in targets})
+    expressions.update({t: images_with(test_split, [t], available) for t in targets})
     return expressions
 
 
-def detection_features(class_names: Sequence[str]):
-    """The TFDS features shared by COUNTS and synthetic_shifts."""
+def detection_features(class_names: Sequence[str], several_domains: bool = False):
+    """The TFDS features shared by COUNTS and synthetic_shifts. `domain` is an image's first
+    domain; with `several_domains` (COUNTS), `domains` lists all of them in DOMAINS order."""
     import tensorflow as tf
     import tensorflow_datasets as tfds
 
@@ -84,6 +141,11 @@ def detection_features(class_names: Sequence[str]):
             "image/id": tf.int64,
             "image/filename": tfds.features.Text(),
             "domain": tfds.features.ClassLabel(names=DOMAINS),
+            **(
+                {"domains": tfds.features.Sequence(tfds.features.ClassLabel(names=DOMAINS))}
+                if several_domains
+                else {}
+            ),
             "objects": tfds.features.Sequence(
                 {
                     "bbox": tfds.features.BBoxFeature(),

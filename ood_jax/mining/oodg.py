@@ -95,7 +95,7 @@ IMAGES_DIR = "images"
 class Record:
     """One image's annotations as read from TFDS (pixels are decoded only when drawn)."""
 
-    split: str  # TFDS split, "{source split}_{domain}"
+    split: str  # TFDS split, "{source split}_{its domains}" (counts.split_name)
     image_id: int
     domain: str
     width: int
@@ -529,35 +529,36 @@ def load_builder(dataset: str, data_dir: str):
 
 
 def read_records(builder, split: str, domains: Sequence[str] | None = None) -> list[Record]:
-    """Every image of `split` in `domains` (default: all domains the split has), by id."""
+    """Every image of `split` that carries one of `domains` (default: every domain the split
+    has), by id. An image of several domains counts as the first of them (in domain order)
+    asked for."""
     from PIL import Image
 
     if split not in counts.SOURCE_SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {counts.SOURCE_SPLITS}")
-    available = [d for d in counts.DOMAINS if counts.split_name(split, d) in builder.info.splits]
-    if not available:
+    carried_by_some = _split_domains(builder, split)
+    if not carried_by_some:
         raise ValueError(f"{builder.name} has no split {split}_<domain>")
-    if domains is None:
-        domains = available
-    missing = [d for d in domains if d not in available]
+    available = counts.ordered_domains(carried_by_some)
+    asked = counts.ordered_domains(domains) if domains is not None else tuple(available)
+    missing = [d for d in asked if d not in available]
     if missing:
         raise ValueError(
-            f"{builder.name} has no split {counts.split_name(split, missing[0])} "
-            f"(domains of {split}: {', '.join(available) or 'none'})"
+            f"{builder.name} has no {split} image of domain {missing[0]} "
+            f"(domains of {split}: {', '.join(available)})"
         )
     names = builder.info.features["objects"]["label"].names
     records = []
-    # One dataset over every domain's split: each example's domain names the split it came from.
-    for example in _examples(builder, [counts.split_name(split, d) for d in domains]):
+    for example in _examples(builder, counts.images_with(split, asked, builder.info.splits)):
         with Image.open(io.BytesIO(example["image"])) as image:
             width, height = image.size  # the header only; pixels are decoded when drawn
         objects = example["objects"]
-        domain = counts.DOMAINS[int(example["domain"])]
+        carried = _domains_of(example)
         records.append(
             Record(
-                split=counts.split_name(split, domain),
+                split=counts.split_name(split, carried),
                 image_id=int(example["image/id"]),
-                domain=domain,
+                domain=next(d for d in asked if d in carried),
                 width=width,
                 height=height,
                 boxes=box_lib.yxyx_to_xyxy(np.asarray(objects["bbox"], np.float64)),
@@ -569,6 +570,18 @@ def read_records(builder, split: str, domains: Sequence[str] | None = None) -> l
     return sorted(records, key=lambda r: (r.split, r.image_id))
 
 
+def _split_domains(builder, split: str) -> set[str]:
+    """The domains some image of source split `split` carries."""
+    parsed = (counts.parse_split_name(name) for name in builder.info.splits)
+    return {d for found in parsed if found and found[0] == split for d in found[1]}
+
+
+def _domains_of(example: dict) -> tuple[str, ...]:
+    """An example's domains: COUNTS records list them all, synthetic ones have one."""
+    indexes = example["domains"] if "domains" in example else [example["domain"]]
+    return counts.ordered_domains([counts.DOMAINS[int(i)] for i in indexes])
+
+
 def _png(pixels: np.ndarray) -> bytes:
     from PIL import Image
 
@@ -577,12 +590,12 @@ def _png(pixels: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def _examples(builder, splits: Sequence[str]) -> Iterable[dict]:
-    """The examples of several splits of one source split, images still encoded."""
+def _examples(builder, split: str) -> Iterable[dict]:
+    """The examples of a split expression, images still encoded."""
     import tensorflow_datasets as tfds
 
     dataset = builder.as_dataset(
-        split="+".join(splits), decoders={"image": tfds.decode.SkipDecoding()}, shuffle_files=False
+        split=split, decoders={"image": tfds.decode.SkipDecoding()}, shuffle_files=False
     )
     return tfds.as_numpy(dataset)
 
@@ -598,9 +611,8 @@ def write(builder, plan: Plan, out: str | pathlib.Path) -> pathlib.Path:
         by_source[split.split("_", 1)[0]].add(split)
     decoder = builder.info.features["image"]
     for source, splits in sorted(by_source.items()):
-        for example in _examples(builder, sorted(splits)):
-            domain = counts.DOMAINS[int(example["domain"])]
-            key = (counts.split_name(source, domain), int(example["image/id"]))
+        for example in _examples(builder, "+".join(sorted(splits))):
+            key = (counts.split_name(source, _domains_of(example)), int(example["image/id"]))
             units = by_image.pop(key, [])
             if units:
                 # TFDS's own decoder, so the pixels are the ones any reader of the split sees.

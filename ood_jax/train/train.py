@@ -113,10 +113,16 @@ def load_builder(config: ml_collections.ConfigDict) -> tfds.core.DatasetBuilder:
         raise FileNotFoundError(f"config.dataset: {e}") from None
 
 
-def experiment_splits(config: ml_collections.ConfigDict) -> dict[str, str]:
-    """{"train", "iid", <each held-out domain>} -> TFDS split expressions."""
+def experiment_splits(
+    config: ml_collections.ConfigDict, builder: tfds.core.DatasetBuilder
+) -> dict[str, str]:
+    """{"train", "iid", <each held-out domain>} -> TFDS split expressions over the build's
+    splits (an image of several domains trains only if none is held out)."""
     return counts.held_out_split_expressions(
-        config.target_domains, train_split=config.train_split, test_split=config.test_split
+        builder.info.splits.keys(),
+        config.target_domains,
+        train_split=config.train_split,
+        test_split=config.test_split,
     )
 
 
@@ -364,7 +370,7 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> Experimen
 
     mesh = sharding.make_mesh(config.mesh)
     builder = load_builder(config.dataset)
-    splits = experiment_splits(config.dataset)
+    splits = experiment_splits(config.dataset, builder)
     num_train = builder.info.splits[splits["train"]].num_examples
     steps_per_epoch = num_train / config.input.batch_size
     layout = build_layout(config, mesh, steps_per_epoch)
@@ -427,7 +433,7 @@ def pretrain_stage(config: ml_collections.ConfigDict, workdir: str | pathlib.Pat
     tf.config.set_visible_devices([], "GPU")
     builder = load_builder(config.dataset)
     return pretrain.pretrain_backbone(
-        config, builder, experiment_splits(config.dataset)["train"], out
+        config, builder, experiment_splits(config.dataset, builder)["train"], out
     )
 
 

@@ -4,8 +4,9 @@ What is read from the release directory SRC (`ood-jax build counts --source SRC`
 
 - `SRC/annotations/{train,val,test}.json`: one COCO detection file per source split. A file that
   is absent is not built; at least one must exist.
-  - `images[]`: `id`, `file_name`, `width`, `height` and `domain` (one of COUNTS' 14 domains,
-    any case; the release's spelling "handmake" means "handmade").
+  - `images[]`: `id`, `file_name`, `width`, `height` and `domain`: one of COUNTS' 14 domains
+    (any case; the release's spelling "handmake" means "handmade"), or a list of them for an
+    image in several domains (Table 6 of the paper counts ~25k such images).
   - `categories[]`: `id`, `name`. Names are matched to the paper's 35 categories (Table 7)
     ignoring case, spaces, underscores and hyphens, so "Wine glass" and "bicycle_helmet" match.
   - `annotations[]`: `id`, `image_id`, `category_id`, `bbox` (absolute `[x, y, w, h]` pixels);
@@ -13,9 +14,14 @@ What is read from the release directory SRC (`ood-jax build counts --source SRC`
 - `SRC/images/<file_name>`: the image. JPEG files are stored byte for byte, other formats are
   re-encoded as JPEG. Its decoded size must match the record's `width` and `height`.
 
-Nothing else is read. One split is written per (source split, domain) as `{split}_{domain}`,
-e.g. `train_snow`, holding the images of that domain in that file. TFDS cannot write a split
-without examples, so only (split, domain) pairs with at least one image are declared; an
+Nothing else is read. Each image is written once, into the split of its source split and its
+domains (`counts.split_name`): `{split}_{domain}`, e.g. `train_snow`, for an image of one
+domain, `{split}_{d1}_{d2}` (COUNTS' domain order), e.g. `test_water_sky`, for one of several.
+Records carry `domain` (the first the source lists) and `domains` (all, in domain order). The
+O(OD)^2 sets are unions of these splits (`counts.held_out_split_expressions`): the training
+set holds every training image none of whose domains is a target, the test set of target t
+every test image that carries t. TFDS cannot write a split
+without examples, so only the domain sets with at least one image are declared; an
 annotation file without images fails the build naming it (its source split would vanish), and
 so does a split all of whose images are skipped. The build record identifies the source by the
 SHA-256 of each annotation file present.
@@ -26,9 +32,11 @@ unreadable image or one whose size differs from its record. With `--on-error ski
 or mis-sized images are skipped and counted instead. Boxes of non-positive size or wholly
 outside the image are dropped, boxes past the edge clipped; both are counted (`builder.report`).
 
-Assumed layout: the paper (and its release page) does not pin down file names. If a release
-ships differently (one annotation file with a split field per image, or per-domain folders),
-rearrange it into the layout above; no other layout is read.
+Assumed layout: the release's own files could not be read when this builder was written, and
+the paper (and its release page) does not pin down file names, so the layout above is assumed.
+If a release ships differently, rearrange it into this layout; the README's "COUNTS: the
+assumed source layout" gives the adapter to write (one annotation file with a split field per
+image, per-domain folders, or domains in a separate table).
 """
 
 from __future__ import annotations
@@ -79,7 +87,8 @@ class _ImageRecord:
     file_name: str
     width: int
     height: int
-    domain: str
+    domain: str  # the first the source lists
+    domains: tuple[str, ...]  # all of them, in counts.DOMAINS order
     objects: list[_Object] = dataclasses.field(default_factory=list)
 
 
@@ -93,6 +102,20 @@ def _as_number(value: Any, where: str, field: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise BuildError(f"{where}: field '{field}' must be a number, got {value!r}")
     return float(value)
+
+
+def _domains(value: Any, where: str) -> list[str]:
+    """An image's `domain` field, one name or a non-empty list of names, as canonical names."""
+    names = value if isinstance(value, list) else [value]
+    if not names or not all(isinstance(n, str) for n in names):
+        raise BuildError(
+            f"{where}: field 'domain' must be a domain name or a non-empty list of them, "
+            f"got {value!r}"
+        )
+    try:
+        return [counts.canonical_domain(n) for n in names]
+    except ValueError as e:
+        raise BuildError(f"{where}: {e}") from None
 
 
 def _list_field(data: Any, field: str, path: pathlib.Path) -> list:
@@ -125,16 +148,14 @@ def parse_annotation_file(path: pathlib.Path) -> list[_ImageRecord]:
         image_id = _as_int(image["id"], where, "id")
         if image_id in images:
             raise BuildError(f"{where}: duplicate image id {image_id}")
-        try:
-            domain = counts.canonical_domain(str(image["domain"]))
-        except ValueError as e:
-            raise BuildError(f"{where} (id {image_id}): {e}") from None
+        listed = _domains(image["domain"], f"{where} (id {image_id})")
         images[image_id] = _ImageRecord(
             id=image_id,
             file_name=str(image["file_name"]),
             width=_as_int(image["width"], where, "width"),
             height=_as_int(image["height"], where, "height"),
-            domain=domain,
+            domain=listed[0],
+            domains=counts.ordered_domains(listed),
         )
 
     for i, annotation in enumerate(_list_field(data, "annotations", path)):
@@ -171,9 +192,10 @@ def _annotation_files(src: pathlib.Path) -> dict[str, pathlib.Path]:
 class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
     """COUNTS: one split per (source split, domain), e.g. `train_snow`."""
 
-    VERSION = tfds.core.Version("1.0.0")
+    VERSION = tfds.core.Version("1.1.0")
     RELEASE_NOTES: ClassVar[dict[str, str]] = {
         "1.0.0": "Initial release: COCO files per source split, one TFDS split per domain.",
+        "1.1.0": "Images of several domains: a `domains` feature; one split per domain set.",
     }
 
     def _info(self) -> tfds.core.DatasetInfo:
@@ -182,9 +204,10 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
             description=(
                 "COUNTS: Common Objects UNder disTribution Shifts. Real images of 35 object "
                 "categories in 14 domains, with image-level domain labels and object boxes. "
-                "Split `{split}_{domain}` holds the images of one domain in one source split."
+                "Split `{split}_{domain}` holds the images of one domain in one source split, "
+                "`{split}_{d1}_{d2}...` those of exactly these domains."
             ),
-            features=counts.detection_features(counts.CATEGORIES),
+            features=counts.detection_features(counts.CATEGORIES, several_domains=True),
             homepage="https://huggingface.co/datasets/jianshengli/COUNTS",
         )
 
@@ -210,18 +233,12 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
                     f"images or remove the file to build without a {split} split"
                 )
             for record in records:
-                by_split[counts.split_name(split, record.domain)].append(record)
+                by_split[counts.split_name(split, record.domains)].append(record)
         self.start_progress(sum(len(records) for records in by_split.values()), "images")
         images_dir = annotations.parent / "images"
         return {
-            counts.split_name(split, domain): self._generate_examples(
-                by_split[counts.split_name(split, domain)],
-                images_dir,
-                counts.split_name(split, domain),
-            )
-            for split in files
-            for domain in counts.DOMAINS
-            if by_split[counts.split_name(split, domain)]
+            name: self._generate_examples(records, images_dir, name)
+            for name, records in by_split.items()
         }
 
     def _generate_examples(
@@ -262,6 +279,7 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
             "image/id": record.id,
             "image/filename": record.file_name,
             "domain": record.domain,
+            "domains": list(record.domains),
             "objects": {
                 "bbox": bbox,
                 "label": np.array([o.label for o in kept_objects], np.int64),
