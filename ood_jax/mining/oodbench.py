@@ -292,14 +292,19 @@ def match_pairs(
     column = {category_id: k for k, category_id in enumerate(category_ids)}
     pair_categories = np.array([column[c] for c in pairs.category_ids.tolist()], np.int64)
     image_ids = sorted(pairs.image_files)
+    # Each pair's image as a position in image_ids; a batch's pairs are then one run of them.
+    positions = np.searchsorted(np.asarray(image_ids), pairs.image_ids)
+    order = np.argsort(positions, kind="stable")
+    bounds = np.searchsorted(
+        positions[order], np.arange(0, len(image_ids) + batch_size, batch_size)
+    )
     out = np.zeros(len(pair_categories), np.float64)
     with tqdm(total=len(image_ids), desc="matching", unit="image", disable=not progress) as bar:
-        for start in range(0, len(image_ids), batch_size):
+        for start, lo, hi in zip(range(0, len(image_ids), batch_size), bounds, bounds[1:]):
             batch = image_ids[start : start + batch_size]
             images = [foci.read_image(pairs.image_files[i]) for i in batch]
-            local = {image_id: k for k, image_id in enumerate(batch)}
-            chosen = np.flatnonzero(np.isin(pairs.image_ids, batch))
-            rows = np.array([local[i] for i in pairs.image_ids[chosen].tolist()], np.int64)
+            chosen = order[lo:hi]
+            rows = positions[chosen] - start
             for t in range(len(templates)):
                 text_rows = t * len(names) + pair_categories[chosen]
                 out[chosen] += scorer.match_probabilities(images, texts, rows, text_rows)

@@ -312,9 +312,11 @@ class Scorer:
         rows = self._rows(batch_size)
         out = np.zeros(len(image_rows), np.float32)
         order = np.argsort(image_rows, kind="stable")
-        for start in range(0, len(images), rows):
+        # Each batch's pairs are a run of the sorted rows: found by bisection, not by a scan.
+        bounds = np.searchsorted(image_rows[order], np.arange(0, len(images) + rows, rows))
+        for start, lo, hi in zip(range(0, len(images), rows), bounds, bounds[1:]):
             stop = min(start + rows, len(images))
-            chosen = order[(image_rows[order] >= start) & (image_rows[order] < stop)]
+            chosen = order[lo:hi]
             if not len(chosen):
                 continue
             _, (pixels,) = next(self._image_batches(images[start:stop], rows, first=start))
@@ -488,7 +490,14 @@ def from_hf(
 
 
 def _from_hf_parts(
-    path: Path, kind: str, module: Any, variables: dict, dtype: Any, mesh: Mesh | None, **kwargs
+    path: Path,
+    kind: str,
+    module: Any,
+    variables: dict,
+    dtype: Any,
+    mesh: Mesh | None,
+    extra_identity: dict[str, Any] | None = None,
+    **kwargs: Any,
 ) -> Scorer:
     return Scorer(
         kind,
@@ -501,7 +510,7 @@ def _from_hf_parts(
             dtype,
             _sha256(path / convert.CONFIG_FILE),
             preprocessor_sha256=_sha256(path / preprocess.PREPROCESSOR_FILE),
-            **kwargs.pop("extra_identity", {}),
+            **(extra_identity or {}),
         ),
         mesh=mesh,
         **kwargs,
