@@ -32,6 +32,7 @@ The family's surface (`ood_jax.models.registry`): `Model` (`DeformableDetr`), `p
 `ood_jax.models.focal_set_loss`) and `load_backbone` (`ood_jax.models.backbones.load_backbone`).
 """
 
+import inspect
 import math
 from collections.abc import Sequence
 from typing import Any, ClassVar, NamedTuple
@@ -206,6 +207,10 @@ class DeformableDecoderLayer(_PostNormLayer):
         return self.feed_forward(x, train)
 
 
+# The layer arguments that shape the computation rather than enter it.
+_STATIC_LAYER_ARGUMENTS = ("spatial_shapes", "train")
+
+
 def layer_class(layer: type[_PostNormLayer], remat: bool) -> type[nn.Module]:
     """`layer`, or with `remat` a version that keeps only its inputs for the backward pass and
     recomputes the rest there (`nn.remat`): at 800x1333 one encoder layer's FFN activations
@@ -215,8 +220,8 @@ def layer_class(layer: type[_PostNormLayer], remat: bool) -> type[nn.Module]:
     forward pass (unless `--xla_disable_hlo_passes=cse_barrier_expander`; bench/dino_step.py)."""
     if not remat:
         return layer
-    static = (5, 6) if layer is DeformableEncoderLayer else (6, 8)  # counting self as 0
-    return nn.remat(layer, static_argnums=static)
+    arguments = list(inspect.signature(layer.__call__).parameters)  # self is argument 0
+    return nn.remat(layer, static_argnums=tuple(map(arguments.index, _STATIC_LAYER_ARGUMENTS)))
 
 
 class _Projection(nn.Module):
