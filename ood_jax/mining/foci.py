@@ -16,6 +16,16 @@ the directory the foci builder later reads:
   release's own test split, read by the builder's own split readers, so image paths and class
   names are the ones the builder checks the options against; the classes are all of the
   release's classes, in sorted order (the order only matters for ties).
+- FOCI's appendix D sets, read by the same readers (`ood_jax.data.foci`): imagenet_1k
+  (SRC/val/<wnid>/ or the flat SRC/val/ with LOC_val_solution.csv), imagenet_a
+  (SRC/imagenet-a/<wnid>/), imagenet_r (SRC/imagenet-r/<wnid>/) and imagenet_sketch
+  (SRC/sketch/<wnid>/), each named by SRC/classnames.txt; geode (SRC/index.csv, images
+  SRC/images/<file_path>). The classes ranked are the set's own, as FOCI's
+  options_generation.py ranks over its loader's classes: the 1000 of ImageNet-1k, the classes
+  whose folders are present for ImageNet-A and -R (200 in the releases) and -Sketch, GeoDE's
+  objects. The ImageNet sets keep the class-index order of classnames.txt (FOCI's order; the
+  lower index wins a tie), GeoDE's are sorted. The builder writes ImageNet-1k's halves and
+  GeoDE's regions from the one file, so nothing is mined per split.
 - imagenet21k_* and custom: the builder only reads an options file, so before mining there is
   nothing of theirs to read. Mining reads the folder layout `SRC/images/<class folder>/<image>`
   (the layout the imagenet21k configs read their images from) with `SRC/class_names.json`,
@@ -25,8 +35,10 @@ the directory the foci builder later reads:
   ImageNet-21k classes form IN-Animal etc. (WordNet lexicographer files) is the user's choice of
   folders.
 
-The written file goes to SRC/foci_options.json (release configs) or SRC/options.json (others),
-where the builder looks, unless --out says otherwise.
+Image paths are written relative to SRC, as the builder stores them (`image/filename`; for the
+ImageNet sets `<folder>/<wnid>/<file>`, not FOCI's `<wnid>/<file>`, which the builder also
+reads). The written file goes to SRC/foci_options.json (release configs and appendix D sets) or
+SRC/options.json (others), where the builder looks, unless --out says otherwise.
 """
 
 from __future__ import annotations
@@ -214,10 +226,19 @@ def read_source(dataset: str, root: str | pathlib.Path) -> Source:
             root=root,
             images=images,
             labels=tuple(split.labels[i] for i in images),
-            class_names=tuple(sorted(split.class_names)),
+            class_names=_ranked_classes(name, root, split),
             options_file=foci_source.RELEASE_OPTIONS_FILE,
         )
     return folder_source(root, foci_source.OPTIONS_FILE, names_required=name != "custom")
+
+
+def _ranked_classes(name: str, root: pathlib.Path, split: foci_source.TestSplit) -> tuple[str, ...]:
+    """The split's classes in the order ties are broken by: ImageNet's class index (FOCI's own
+    order), else sorted."""
+    if name in foci_source.IMAGENET_FOLDERS:
+        ordered = foci_source.imagenet_class_names(root).values()
+        return tuple(c for c in ordered if c in split.class_names)
+    return tuple(sorted(split.class_names))
 
 
 def folder_source(root: pathlib.Path, options_file: str, names_required: bool) -> Source:

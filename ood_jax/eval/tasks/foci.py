@@ -3,8 +3,18 @@ their mean as FOCI's Table 2. Replies are read under a parse mode (tasks/base.py
 FOCI's rule (the reply begins with the letter, Appendix A; the default, to reproduce its
 numbers), strict, last, or judge.
 
+Splits besides `test` (the foci builder writes ImageNet-1k's Table 3 halves, `train_half` and
+`test_half`, and one split per GeoDE region for Table 7; each repeats some of test's records)
+are not asked again: one run over `test` scores everything. Each item whose record is also in
+such a split carries that split's name in its meta ("split", read from the build's other splits
+by image/filename), and "per_split" reports the accuracy of each split's items, with its
+interval, beside the config's accuracy over all of them (Table 7's All); every item counts once
+in its config and once in its split. Configs without such splits are asked and identified as
+before; items recorded by a version that did not tag them are counted in no split
+("without_split" says how many).
+
 With `circular=N` (`--circular N`, 2 to 4) every item is asked under N cyclic shifts of its
-options (tasks/circular.py); the Table 2 numbers then count every asked item, and
+options (tasks/circular.py); the Table 2, 3 and 7 numbers then count every asked item, and
 "circular_eval" adds, per dataset and over all items, the accuracy in the original order and
 with every rotation right (MMBench's CircularEval), and how often each letter is picked.
 
@@ -14,6 +24,8 @@ read by ood_jax.eval.parsing.
 
 from __future__ import annotations
 
+import collections
+import pathlib
 import string
 from collections.abc import Iterator, Sequence
 
@@ -79,6 +91,7 @@ class FociScoring(Scoring):
             # Table 2's average column: the mean of the per-dataset accuracies. It has no
             # binomial interval: it is no proportion of items.
             out["average_accuracy"] = float(np.mean([v["accuracy"] for v in per_dataset.values()]))
+        out.update(split_results(records))
         if self.circular:
             out["circular_eval"] = self.circular_results(records)
         return out
@@ -129,9 +142,57 @@ class FociScoring(Scoring):
             else ""
         )
         out = f"## FOCI\n\n{mode}{INTERVALS_NOTE}\n\n" + table(header, rows) + "\n"
+        if "per_split" in results:
+            out += "\n" + split_markdown(results)
         if "circular_eval" in results:
             out += "\n" + circular_markdown(results["circular_eval"])
         return out
+
+
+# Meta key of the split besides test an item's record is also in.
+SPLIT = "split"
+
+
+def split_results(records: Sequence[dict]) -> dict:
+    """The results by split: "per_split", config -> split -> answer_summary of the items tagged
+    with that split, and "without_split", config -> how many of its items carry no tag although
+    others do (recorded before items were tagged); both absent when no item is tagged."""
+    tagged, untagged = [], collections.Counter()
+    for record in records:
+        if SPLIT in record["meta"]:
+            tagged.append(record)
+        else:
+            untagged[record["meta"]["dataset"]] += 1
+    per_split = {
+        config: {split: answer_summary(v) for split, v in sorted(group_by(group, SPLIT).items())}
+        for config, group in sorted(group_by(tagged, "dataset").items())
+    }
+    without = {config: untagged[config] for config in per_split if untagged[config]}
+    return {
+        **({"per_split": per_split} if per_split else {}),
+        **({"without_split": without} if without else {}),
+    }
+
+
+def split_markdown(results: dict) -> str:
+    """Tables 3 and 7: per config with splits, each split's accuracy, then all of its items."""
+    rows = []
+    for config, splits in results["per_split"].items():
+        overall = results.get("per_dataset", {}).get(config, results)
+        for name, r in [*splits.items(), ("all items", overall)]:
+            cells = [pct_ci(r["accuracy"], r["accuracy_ci"]), str(r["num_items"])]
+            rows.append([config, name, *cells, str(r["generation_failures"])])
+    header = ["dataset", "split", f"accuracy (%) [{CI_LABEL}]", "items", "generation failures"]
+    missing = "".join(
+        f" {n} items of {config} were recorded without their split and are in none of them."
+        for config, n in results.get("without_split", {}).items()
+    )
+    return (
+        "### Per split (FOCI Tables 3 and 7)\n\nThe items of split test again, by the other "
+        "split their record is in: ImageNet-1k's class halves (train_half: the even class "
+        "indexes, which FOCI trained on; test_half: the others) and GeoDE's regions."
+        f"{missing}\n\n" + table(header, rows) + "\n"
+    )
 
 
 LETTERS = tuple(string.ascii_uppercase[: prompts.FOCI_NUM_OPTIONS])
@@ -176,6 +237,15 @@ def circular_markdown(summary: dict) -> str:
     )
 
 
+def other_splits(directory: pathlib.Path) -> dict[str, str]:
+    """image/filename -> the split besides test whose records repeat it (ImageNet-1k's halves,
+    GeoDE's regions); empty for a build with test alone."""
+    import tensorflow_datasets as tfds
+
+    names = [s for s in tfds.builder_from_directory(str(directory)).info.splits if s != "test"]
+    return {text(r["image/filename"]): split for split, r in tfds_records(directory, names)}
+
+
 class Foci(FociScoring, Benchmark):
     """FOCI multiple choice over the built `foci` configs (all of them, or `configs`)."""
 
@@ -195,6 +265,7 @@ class Foci(FociScoring, Benchmark):
 
     def items(self) -> Iterator[Item]:
         for config, directory in self.directories.items():
+            splits = other_splits(directory)
             for _, record in tfds_records(directory, ["test"]):
                 filename = text(record["image/filename"])
                 meta = {
@@ -202,6 +273,7 @@ class Foci(FociScoring, Benchmark):
                     "options": [text(o) for o in record["options"]],
                     "answer": int(record["answer"]),
                     "label": text(record["label"]),
+                    **({SPLIT: splits[filename]} if filename in splits else {}),
                 }
                 yield from self.asked(
                     f"{config}/{filename}", text(record["dataset"]), meta, record["image"]
