@@ -231,3 +231,95 @@ def test_failed_export_leaves_the_old_file_and_no_partial_one(run, tmp_path, mon
         export_lib.export(run["workdir"], out)
     assert out.read_bytes() == b"previous export"
     assert [p.name for p in tmp_path.iterdir()] == ["detr.msgpack"]
+
+
+# Runs in a fresh interpreter that cannot import ood_jax: the artifact needs jax alone.
+_PORTABLE_CHILD = """
+import importlib.abc, json, pathlib, sys
+
+class Hidden(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("ood_jax", "tfds_builders"):
+            raise ImportError(f"{name} is hidden")
+
+sys.meta_path.insert(0, Hidden())
+import jax
+import numpy as np
+
+out = pathlib.Path(sys.argv[1])
+contract = json.loads((out / "contract.json").read_text())
+artifact = (out / contract["artifact"]).read_bytes()
+exp = jax.export.deserialize(bytearray(artifact))
+inputs = np.load(sys.argv[2])
+found = exp.call(inputs["images"], inputs["mask"])
+np.savez(sys.argv[3], **{k: np.asarray(v) for k, v in found.items()})
+print(json.dumps(sorted({m.split(".")[0] for m in sys.modules} & {"ood_jax", "tfds_builders"})))
+"""
+
+
+def test_stablehlo_export_runs_with_jax_alone(run, tmp_path):
+    """`ood-jax export --format stablehlo`: an artifact for cpu, cuda and tpu whose predict,
+    loaded without ood_jax, gives the exported model's detections on prepared images."""
+    from ood_jax import cli
+
+    out = tmp_path / "portable"
+    cli.main(
+        ["export", "--workdir", str(run["workdir"]), "--out", str(out), "--format", "stablehlo"]
+    )
+    model = load_exported(run["exported"])
+    contract = json.loads((out / "contract.json").read_text())
+    assert contract["platforms"] == ["cpu", "cuda", "tpu"]
+    assert [i["shape"] for i in contract["inputs"]] == [
+        ["batch", "96", "96", "3"],
+        ["batch", "96", "96"],
+    ]
+    assert contract["class_names"] == model.class_names and contract["model"]["step"] == 2
+    assert contract["preprocessing"]["mean"] == list(pipeline.IMAGENET_MEAN)
+
+    rng = np.random.default_rng(3)
+    images = [
+        rng.integers(0, 256, size, np.uint8) for size in ((50, 70, 3), (96, 40, 3), (120, 130, 3))
+    ]
+    prepared = [model.preprocess(image) for image in images]
+    canvas = np.stack([np.asarray(c) for c, _ in prepared])
+    mask = np.stack([np.asarray(m) for _, m in prepared])
+    np.savez(tmp_path / "inputs.npz", images=canvas, mask=mask)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _PORTABLE_CHILD,
+            str(out),
+            str(tmp_path / "inputs.npz"),
+            str(tmp_path / "found.npz"),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        cwd=tmp_path,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+    found = np.load(tmp_path / "found.npz")
+    expected = jax.device_get(model.predict_canvas(canvas, mask))
+    assert set(found.files) == set(expected) == {"boxes", "scores", "labels"}
+    for name in expected:
+        np.testing.assert_allclose(found[name], expected[name], rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_stablehlo_export_fixed_batch_replaces_refuses(run, tmp_path):
+    out = tmp_path / "portable"
+    export_lib.export(run["workdir"], out, step=1, file_format="stablehlo", batch_size=2)
+    contract = json.loads((out / "contract.json").read_text())
+    assert (
+        contract["inputs"][0]["shape"] == ["2", "96", "96", "3"] and contract["model"]["step"] == 1
+    )
+    export_lib.export(run["workdir"], out, file_format="stablehlo")  # replaces the previous one
+    assert json.loads((out / "contract.json").read_text())["model"]["step"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["portable"]
+    (tmp_path / "other").mkdir()
+    with pytest.raises(FileExistsError, match="other: exists and is no stablehlo export"):
+        export_lib.export(run["workdir"], tmp_path / "other", file_format="stablehlo")
+    with pytest.raises(ValueError, match="unknown export format 'onnx'"):
+        export_lib.export(run["workdir"], tmp_path / "x", file_format="onnx")

@@ -72,6 +72,24 @@ class ExportedModel:
     step: int
     model_name: str | None = None
 
+    @classmethod
+    def from_payload(cls, payload: Mapping[str, Any]) -> ExportedModel:
+        """The model a format-1 dict (`make_payload`, or a file's contents) describes."""
+        return cls(
+            module=registry.build_model(ml_collections.ConfigDict(payload["model"])),
+            variables=jax.tree.map(jnp.asarray, payload["variables"]),
+            class_names=payload["class_names"],
+            input_config=payload["input"],
+            step=int(payload["step"]),
+            model_name=payload["model_name"],
+        )
+
+    def predict_canvas(self, images: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
+        """The model on prepared batches (`preprocess`'s canvases [B, S, S, 3] and masks
+        [B, S, S]): {"boxes": [B, Q, 4] normalized cx, cy, w, h of the image, "scores",
+        "labels": [B, Q]}."""
+        return self._predict_batch(self.variables, images, mask)
+
     @functools.cached_property
     def _predict_batch(self) -> Callable[..., dict[str, jax.Array]]:
         return jax.jit(functools.partial(_forward, self.module))
@@ -116,8 +134,7 @@ class ExportedModel:
         single = not isinstance(images, (list, tuple)) and np.ndim(images) == 3
         batch = [images] if single else list(images)
         prepared = [self.preprocess(image) for image in batch]
-        out = self._predict_batch(
-            self.variables,
+        out = self.predict_canvas(
             jnp.stack([canvas for canvas, _ in prepared]),
             jnp.stack([mask for _, mask in prepared]),
         )
@@ -150,19 +167,10 @@ def load_exported(path: str | pathlib.Path) -> ExportedModel:
         raise ValueError(
             f"{path}: format_version {version!r}; this ood_jax reads {EXPORT_FORMAT_VERSION}"
         )
-    module = registry.build_model(ml_collections.ConfigDict(payload["model"]))
-    return ExportedModel(
-        module=module,
-        variables=jax.tree.map(jnp.asarray, payload["variables"]),
-        class_names=payload["class_names"],
-        input_config=payload["input"],
-        step=int(payload["step"]),
-        model_name=payload["model_name"],
-    )
+    return ExportedModel.from_payload(payload)
 
 
-def write_exported(
-    path: str | pathlib.Path,
+def make_payload(
     *,
     model_config: Mapping[str, Any],
     input_config: Mapping[str, Any],
@@ -172,9 +180,8 @@ def write_exported(
     variables: Mapping[str, Any],
     step: int,
     model_name: str | None,
-) -> pathlib.Path:
-    """Writes a detector's format-1 file (see the module docstring) to `path`, atomically: a
-    failure leaves any previous file there and no partial one. Returns the path.
+) -> dict[str, Any]:
+    """A detector's format-1 dict (see the module docstring).
 
     `model_config` is config.model as a dict, `input_config` config.input (image_size,
     eval_size and max_size are kept), `mean` and `std` the normalization the input pipeline
@@ -185,7 +192,7 @@ def write_exported(
         raise ValueError(
             f"{len(class_names)} class names for config.model.args.num_classes={num_classes}"
         )
-    payload = {
+    return {
         "format_version": EXPORT_FORMAT_VERSION,
         "model": model_config,
         "input": {
@@ -200,4 +207,9 @@ def write_exported(
         "step": step,
         "model_name": model_name,
     }
-    return files.write_atomic(path, serialization.msgpack_serialize(payload))
+
+
+def write_exported(path: str | pathlib.Path, payload: Mapping[str, Any]) -> pathlib.Path:
+    """Writes a `make_payload` dict to `path`, atomically: a failure leaves any previous file
+    there and no partial one. Returns the path."""
+    return files.write_atomic(path, serialization.msgpack_serialize(dict(payload)))

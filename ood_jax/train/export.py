@@ -1,4 +1,5 @@
-"""Exports a trained detector from a workdir's checkpoint to one self-contained file.
+"""Exports a trained detector from a workdir's checkpoint to one self-contained file, or to a
+portable `jax.export` artifact (`file_format="stablehlo"`, `ood_jax.models.portable`).
 
 The checkpoint's params (its EMA parameters when the run kept them, `config.ema_decay`, as
 evaluation uses them) and model state and the config saved with it go through
@@ -19,7 +20,7 @@ from absl import logging
 
 from ood_jax import datasets
 from ood_jax.data import pipeline
-from ood_jax.models import exported
+from ood_jax.models import exported, portable
 
 
 def _checkpoint_manager(directory: pathlib.Path) -> ocp.CheckpointManager:
@@ -85,19 +86,30 @@ def dataset_class_names(dataset: dict[str, Any]) -> list[str] | None:
         return None
 
 
+FORMATS = ("msgpack", "stablehlo")
+
+
 def export(
     workdir: str | pathlib.Path,
     out_path: str | pathlib.Path,
     step: int | None = None,
     class_names: Sequence[str] | None = None,
+    file_format: str = "msgpack",
+    batch_size: int | None = None,
 ) -> pathlib.Path:
-    """Writes the model of `workdir`'s newest (or `step`'s) checkpoint to `out_path`.
+    """Writes the model of `workdir`'s newest (or `step`'s) checkpoint to `out_path`: one
+    msgpack file (`ood_jax.models.load_exported` reads it), or with "stablehlo" a
+    directory with the predict function as a `jax.export` artifact for cpu, cuda and tpu and
+    its input contract (`ood_jax.models.portable`; `batch_size` fixes the batch, which is
+    otherwise symbolic).
 
     The config is the one saved with that checkpoint. `class_names` default to the labels of
     the config's dataset when it is prepared. Returns the absolute path written.
     """
+    if file_format not in FORMATS:
+        raise ValueError(f"unknown export format {file_format!r}; expected {' or '.join(FORMATS)}")
     out_path = pathlib.Path(out_path).absolute()
-    if out_path.is_dir():
+    if file_format == "msgpack" and out_path.is_dir():
         raise IsADirectoryError(
             f"--out {out_path}: is a directory; name the file to write, e.g. {out_path}/model.msgpack"
         )
@@ -107,8 +119,7 @@ def export(
     config = meta["config"]
     if class_names is None:
         class_names = dataset_class_names(config["dataset"])
-    return exported.write_exported(
-        out_path,
+    payload = exported.make_payload(
         model_config=config["model"],
         input_config=config["input"],
         mean=pipeline.IMAGENET_MEAN,
@@ -118,3 +129,8 @@ def export(
         step=step,
         model_name=config.get("model_name"),
     )
+    if file_format == "stablehlo":
+        return portable.write_stablehlo(
+            exported.ExportedModel.from_payload(payload), out_path, batch_size=batch_size
+        )
+    return exported.write_exported(out_path, payload)

@@ -1,0 +1,140 @@
+"""A portable detector: its predict function as a serialized `jax.export` artifact.
+
+`ood-jax export --format stablehlo` writes a directory:
+
+  predict.jax_export  `jax.export.Exported.serialize()` of prepared images -> detections, the
+                      parameters folded in as constants, lowered for cpu, cuda and tpu in one
+                      module (StableHLO, with jax's calling convention)
+  contract.json       the input contract (shapes, dtypes, how images are prepared), the
+                      outputs, class names and where the model came from
+
+Loading it needs jax alone, none of ood_jax:
+
+    exp = jax.export.deserialize(bytearray(open("predict.jax_export", "rb").read()))
+    out = exp.call(images, mask)   # {"boxes", "labels", "scores"}, on any platform exported
+
+The batch is symbolic (any size) unless a fixed one is asked for. Images go in as the
+evaluation pipeline prepares them (`ExportedModel.preprocess`, `contract.json`'s
+"preprocessing"): resized, normalized and placed at the top-left of a square canvas, with a mask
+that is True on the image. Boxes come out normalized to the resized image (not the canvas), so
+multiplying by the source image's width and height gives pixels.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import export as jax_export
+
+from ood_jax.models import exported
+
+ARTIFACT_FILE = "predict.jax_export"
+CONTRACT_FILE = "contract.json"
+PLATFORMS = ("cpu", "cuda", "tpu")
+CONTRACT_VERSION = 1
+
+PREPROCESSING = (
+    "RGB pixels scaled to [0, 1], resized bilinearly (antialiased when shrinking) so the shorter "
+    "side is eval_size unless the longer would pass max_size (then the longer is max_size; sizes "
+    "rounded half to even in float32), normalized with mean and std per channel, placed at the "
+    "top-left of an image_size x image_size canvas of zeros; mask True on the resized image"
+)
+OUTPUTS = {
+    "boxes": "float32 [batch, queries, 4]: cx, cy, w, h, normalized to the resized image (times "
+    "the source image's width and height: pixels)",
+    "scores": "float32 [batch, queries]: the score of the query's label",
+    "labels": "int32 [batch, queries]: index into class_names",
+}
+
+
+def _input_specs(side: int, batch_size: int | None) -> tuple[jax.ShapeDtypeStruct, ...]:
+    (batch,) = jax_export.symbolic_shape("batch") if batch_size is None else (batch_size,)
+    return (
+        jax.ShapeDtypeStruct((batch, side, side, 3), jnp.float32),
+        jax.ShapeDtypeStruct((batch, side, side), jnp.bool_),
+    )
+
+
+def export_predict(
+    model: exported.ExportedModel,
+    batch_size: int | None = None,
+    platforms: Sequence[str] = PLATFORMS,
+) -> jax_export.Exported:
+    """The model's predict on prepared batches, exported for `platforms`."""
+    predict = jax.jit(model.predict_canvas)
+    return jax_export.export(predict, platforms=tuple(platforms))(
+        *_input_specs(model.input_config["image_size"], batch_size)
+    )
+
+
+def contract(model: exported.ExportedModel, artifact: jax_export.Exported) -> dict[str, Any]:
+    """What a user of the artifact needs to know, from the model and the artifact itself."""
+    c = model.input_config
+    names = ("images", "mask")
+    return {
+        "contract_version": CONTRACT_VERSION,
+        "artifact": ARTIFACT_FILE,
+        "load": f"jax.export.deserialize(bytearray(open('{ARTIFACT_FILE}', 'rb').read()))"
+        ".call(images, mask)",
+        "platforms": list(artifact.platforms),
+        "jax_version": jax.__version__,
+        "calling_convention_version": artifact.calling_convention_version,
+        "inputs": [
+            {"name": name, "shape": [str(d) for d in aval.shape], "dtype": str(aval.dtype)}
+            for name, aval in zip(names, artifact.in_avals)
+        ],
+        "preprocessing": {
+            "rule": PREPROCESSING,
+            **{key: c[key] for key in ("image_size", "eval_size", "max_size", "mean", "std")},
+        },
+        "outputs": OUTPUTS,
+        "class_names": model.class_names,
+        "model": {
+            "name": model.module.__class__.__name__,
+            "model_name": model.model_name,
+            "step": model.step,
+        },
+    }
+
+
+def write_stablehlo(
+    model: exported.ExportedModel,
+    out_dir: str | pathlib.Path,
+    batch_size: int | None = None,
+    platforms: Sequence[str] = PLATFORMS,
+) -> pathlib.Path:
+    """Writes the artifact and its contract into `out_dir` (module doc) and returns it.
+
+    Both are written into a staging directory beside `out_dir` that then takes its place, so a
+    reader sees the previous export or the whole new one. An `out_dir` that holds anything but
+    a previous export is refused.
+    """
+    out_dir = pathlib.Path(out_dir).absolute()
+    if out_dir.exists() and not (out_dir / CONTRACT_FILE).is_file():
+        raise FileExistsError(
+            f"--out {out_dir}: exists and is no stablehlo export (no {CONTRACT_FILE}); name a "
+            "new directory"
+        )
+    artifact = export_predict(model, batch_size, platforms)
+    staging = out_dir.with_name(f"{out_dir.name}.incomplete-{uuid.uuid4().hex[:8]}")
+    staging.mkdir(parents=True)
+    try:
+        (staging / ARTIFACT_FILE).write_bytes(artifact.serialize())
+        (staging / CONTRACT_FILE).write_text(json.dumps(contract(model, artifact), indent=2))
+        if out_dir.exists():
+            old = out_dir.with_name(f"{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
+            out_dir.rename(old)
+            staging.rename(out_dir)
+            shutil.rmtree(old)
+        else:
+            staging.rename(out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
