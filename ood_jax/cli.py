@@ -19,6 +19,7 @@ import time  # noqa: E402
 from typing import Any, Sequence  # noqa: E402
 
 from ood_jax import config_files, files, help_text  # noqa: E402
+from ood_jax.data import convert_cityscapes, convert_nuscenes  # noqa: E402
 from ood_jax.detection import compare as compare_detectors  # noqa: E402
 from ood_jax.eval import cli as eval_cli  # noqa: E402
 from ood_jax.eval import compare as compare_cli  # noqa: E402
@@ -324,6 +325,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--categories", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=_coco_demo)
+
+    p = sub.add_parser(
+        "convert",
+        help="a release (nuScenes, Cityscapes) -> an oodbench source, with its official devkit",
+        description="Writes OUT/annotations.json (COCO), OUT/images (a link to the release) and "
+        "OUT/ood_jax_convert.json; then `ood-jax mine oodbench --source OUT` and `ood-jax build "
+        "oodbench --source OUT`.",
+        epilog=help_text.examples(
+            convert_nuscenes.EXAMPLES[0],
+            "ood-jax convert cityscapes --root data/cityscapes --split val "
+            "--out data/sources/oodbench_cityscapes",
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    converters = p.add_subparsers(dest="converter", required=True, metavar="RELEASE")
+    convert_nuscenes.add_parser(converters)
+    convert_cityscapes.add_parser(converters)
 
     mining_cli.add_parsers(sub)
     eval_cli.add_parsers(sub)  # eval-mllm
