@@ -109,7 +109,7 @@ def build_argv(name: str, data_dir: pathlib.Path, source=None, *extra: str) -> l
 
 
 def _train_snow_ids(data_dir: pathlib.Path) -> list[int]:
-    builder = tfds.builder_from_directory(str(data_dir / "counts" / "1.0.0"))
+    builder = tfds.builder_from_directory(str(data_dir / "counts" / "1.1.0"))
     return sorted(int(r["image/id"]) for r in tfds.as_numpy(builder.as_dataset("train_snow")))
 
 
@@ -131,12 +131,12 @@ def counts_build(tmp_path_factory):
 
 def test_the_build_records_its_source(counts_build):
     source, data_dir, printed = counts_build
-    record = json.loads((data_dir / "counts" / "1.0.0" / RECORD).read_text())
+    record = json.loads((data_dir / "counts" / "1.1.0" / RECORD).read_text())
     annotation = (source / "annotations" / "train.json").read_bytes()
     assert record["source"] == str(source.resolve())
     # Annotation files only, never images, each by its SHA-256.
     assert record["files"] == {"annotations/train.json": hashlib.sha256(annotation).hexdigest()}
-    assert (record["builder"], record["config"], record["version"]) == ("counts", None, "1.0.0")
+    assert (record["builder"], record["config"], record["version"]) == ("counts", None, "1.1.0")
     assert record["ood_jax_version"] == __version__
     built_at = datetime.datetime.fromisoformat(record["built_at"])
     assert built_at.utcoffset() == datetime.timedelta(0)
@@ -152,8 +152,8 @@ def test_rebuild_from_another_source_is_refused(counts_build, tmp_path):
     other = make_counts(tmp_path / "b", images=3)
     for wrong in (tmp_path / "nonexistent", other):
         message = error_line(build_argv("counts", data_dir, wrong))
-        record = json.loads((data_dir / "counts" / "1.0.0" / RECORD).read_text())
-        assert f"{data_dir / 'counts' / '1.0.0'} was built from {source.resolve()}" in message
+        record = json.loads((data_dir / "counts" / "1.1.0" / RECORD).read_text())
+        assert f"{data_dir / 'counts' / '1.1.0'} was built from {source.resolve()}" in message
         assert f"on {record['built_at']}" in message and "--overwrite" in message
         assert f"--source {wrong} is another directory" in message
     assert _train_snow_ids(data_dir) == [1, 2]
@@ -161,7 +161,7 @@ def test_rebuild_from_another_source_is_refused(counts_build, tmp_path):
 
 def test_rebuild_from_the_same_source_prints_the_stored_summary(counts_build, capsys):
     source, data_dir, first = counts_build
-    record = json.loads((data_dir / "counts" / "1.0.0" / RECORD).read_text())
+    record = json.loads((data_dir / "counts" / "1.1.0" / RECORD).read_text())
     cli.main(build_argv("counts", data_dir, source))
     printed = capsys.readouterr().out
     assert (
@@ -169,7 +169,7 @@ def test_rebuild_from_the_same_source_prints_the_stored_summary(counts_build, ca
         in printed
     )
     assert record["summary"] in printed and "boxes clipped to the image: 2" in printed
-    assert json.loads((data_dir / "counts" / "1.0.0" / RECORD).read_text()) == record
+    assert json.loads((data_dir / "counts" / "1.1.0" / RECORD).read_text()) == record
 
 
 def test_changed_annotation_file_is_refused_naming_it(tmp_path):
@@ -201,16 +201,16 @@ def test_overwrite_replaces_the_dataset(tmp_path, capsys):
     cli.main(build_argv("counts", data_dir, other, "--overwrite"))
     assert "examples written: 3 in 1 splits" in capsys.readouterr().out
     assert _train_snow_ids(data_dir) == [1, 2, 3]
-    record = json.loads((data_dir / "counts" / "1.0.0" / RECORD).read_text())
+    record = json.loads((data_dir / "counts" / "1.1.0" / RECORD).read_text())
     assert record["source"] == str(other.resolve())
-    assert sorted(p.name for p in (data_dir / "counts").iterdir()) == ["1.0.0"]
+    assert sorted(p.name for p in (data_dir / "counts").iterdir()) == ["1.1.0"]
 
 
 def test_failed_overwrite_keeps_the_old_dataset(tmp_path):
     data_dir = tmp_path / "data"
     source = make_counts(tmp_path / "a")
     datasets.build("counts", str(data_dir), source=str(source))
-    record = (data_dir / "counts" / "1.0.0" / RECORD).read_text()
+    record = (data_dir / "counts" / "1.1.0" / RECORD).read_text()
     corrupt = make_counts(tmp_path / "b", images=3)
     coco = json.loads((corrupt / "annotations" / "train.json").read_text())
     coco["images"][2]["domain"] = "underwater"
@@ -218,8 +218,8 @@ def test_failed_overwrite_keeps_the_old_dataset(tmp_path):
     message = error_line(build_argv("counts", data_dir, corrupt, "--overwrite"))
     assert "images[2] (id 3): unknown domain 'underwater'" in message
     assert _train_snow_ids(data_dir) == [1, 2]
-    assert (data_dir / "counts" / "1.0.0" / RECORD).read_text() == record
-    assert sorted(p.name for p in (data_dir / "counts").iterdir()) == ["1.0.0"]
+    assert (data_dir / "counts" / "1.1.0" / RECORD).read_text() == record
+    assert sorted(p.name for p in (data_dir / "counts").iterdir()) == ["1.1.0"]
 
 
 def test_interrupted_build_says_what_was_kept(tmp_path, capsys, monkeypatch):
@@ -235,7 +235,7 @@ def test_interrupted_build_says_what_was_kept(tmp_path, capsys, monkeypatch):
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line == (
         f"interrupted: nothing kept: the partial build was removed and "
-        f"{data_dir / 'counts' / '1.0.0'} was not written; rerun the same command to build it"
+        f"{data_dir / 'counts' / '1.1.0'} was not written; rerun the same command to build it"
     )
     assert list((data_dir / "counts").iterdir()) == []
 
@@ -300,7 +300,7 @@ def test_every_image_skipped_fails_and_the_skip_report_is_printed(tmp_path, caps
 def test_stale_partial_builds_are_removed_saying_so(tmp_path, capsys):
     dataset_dir = tmp_path / "data" / "counts"
     # What TFDS 4.9 leaves after a kill (incomplete.XXXXXX_VERSION), and what our staging does.
-    stale = [dataset_dir / "incomplete.Q3ZK1D_1.0.0", dataset_dir / "incomplete.ood-jax-0123abcd"]
+    stale = [dataset_dir / "incomplete.Q3ZK1D_1.1.0", dataset_dir / "incomplete.ood-jax-0123abcd"]
     for path in stale:
         path.mkdir(parents=True)
         (path / "counts-train_snow.tfrecord-00000-of-00001").write_bytes(b"partial")
@@ -309,7 +309,7 @@ def test_stale_partial_builds_are_removed_saying_so(tmp_path, capsys):
     err = capsys.readouterr().err
     for path in stale:
         assert f"removed a partial build left by an interrupted run: {path}\n" in err
-    assert sorted(p.name for p in dataset_dir.iterdir()) == ["1.0.0"]
+    assert sorted(p.name for p in dataset_dir.iterdir()) == ["1.1.0"]
 
 
 def test_a_running_build_is_left_alone(tmp_path, capsys):
@@ -327,7 +327,7 @@ def test_dataset_moved_aside_by_a_killed_overwrite_is_restored(tmp_path, capsys)
     builder = datasets.build("counts", str(tmp_path / "data"), source=str(source))
     dataset_dir = pathlib.Path(builder.data_dir)
     # Killed between its two renames: the old dataset aside, the new one not yet in place.
-    dataset_dir.rename(dataset_dir.with_name("replaced.0123abcd_1.0.0"))
+    dataset_dir.rename(dataset_dir.with_name("replaced.0123abcd_1.1.0"))
     cli.main(build_argv("counts", tmp_path / "data", source))
     printed = capsys.readouterr()
     assert (
