@@ -124,6 +124,8 @@ def _build(args: argparse.Namespace) -> None:
             on_error=args.on_error,
             overwrite=args.overwrite,
             custom_name=args.set_name,
+            beam_runner=args.beam_runner,
+            beam_options=args.beam_options,
         )
     except BaseException as error:
         # What a failed or interrupted build skipped is printed before its one error line.
@@ -231,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
             "--data-dir data/tfds",
             "ood-jax build oodbench --config bap --source OODBENCH_DIR --data-dir data/tfds "
             "--overwrite",
+            "ood-jax build counts --source COUNTS_DIR --data-dir /shared/tfds --beam-runner "
+            'FlinkRunner --beam-options="--flink_master=HOST:8081 --parallelism=64"',
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         add_help=False,
@@ -263,6 +267,19 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="rebuild a dataset that is already there (e.g. from another source); the old one "
         "stays readable until the new one is complete",
+    )
+    p.add_argument(
+        "--beam-runner",
+        metavar="RUNNER",
+        help="build on Apache Beam with this runner (DirectRunner, FlinkRunner, SparkRunner, "
+        "...); the records are those of a build without it. --source and --data-dir must be on "
+        "a filesystem the workers share",
+    )
+    p.add_argument(
+        "--beam-options",
+        metavar="FLAGS",
+        help='the pipeline options of --beam-runner, one string after "=" (it starts with '
+        '"--"), e.g. --beam-options="--direct_num_workers=4 --direct_running_mode=multi_processing"',
     )
     p.set_defaults(run=_build)
 

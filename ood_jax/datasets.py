@@ -5,6 +5,7 @@ the builders in turn import only `ood_jax.data`, so there is no import circle. E
 (the trainer, export, mining, the CLI) comes here for a dataset.
 
     builder = datasets.build("counts", data_dir, source=SRC)      # -> prepared builder + .report
+    datasets.build("counts", data_dir, source=SRC, beam_runner="FlinkRunner", beam_options=FLAGS)
     builder = datasets.load("synthetic_shifts/tiny", data_dir)    # prepared, or an error saying how
     datasets.build("foci", data_dir, source=SRC, config="custom", custom_name="imagenet_v2")
     builder = datasets.load("foci/imagenet_v2", data_dir)         # a custom set under its name
@@ -30,7 +31,7 @@ import pathlib
 import shutil
 import sys
 import uuid
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core import constants as tfds_constants
@@ -38,7 +39,7 @@ from tensorflow_datasets.core.utils import tqdm_utils
 
 import tfds_builders
 from ood_jax import files
-from ood_jax.data import building
+from ood_jax.data import builders, building
 
 NAMES = tfds_builders.NAMES
 # Procedurally rendered: built on first use when a config asks for it (`build_if_missing`).
@@ -124,7 +125,7 @@ def _check_writable(data_dir: str) -> None:
 
 def _make_builder(builder_cls, data_dir: str, config, on_error: str):
     kwargs = {"data_dir": data_dir, "config": config}
-    if issubclass(builder_cls, building.SourceBuilder):
+    if issubclass(builder_cls, builders.SourceBuilder):
         kwargs["on_error"] = on_error
     return builder_cls(**kwargs)
 
@@ -137,11 +138,18 @@ def build(
     on_error: str = "fail",
     overwrite: bool = False,
     custom_name: str | None = None,
+    beam_runner: str | None = None,
+    beam_options: str | Sequence[str] | None = None,
 ) -> tfds.core.DatasetBuilder:
     """Builds dataset `name` (config `config`) from `source` into `data_dir`.
 
     `custom_name` builds a custom set (foci's `custom`) under a name of its own, so several
     live side by side; it is read back as "NAME/<custom name>".
+
+    `beam_runner` ("DirectRunner", "FlinkRunner", ...) builds on Apache Beam through TFDS, with
+    `beam_options` ("--opt=v --opt2=v", or a list of flags) for the pipeline; the records are
+    those of a build in this process. `source` and `data_dir` must then be on a filesystem the
+    workers share (`ood_jax.data.beam`).
 
     Returns the prepared builder with `.provenance` (its `BuildRecord`), `.reused` (True when
     the dataset was already built from this source and nothing was done) and `.report` (what
@@ -151,6 +159,7 @@ def build(
     builder_cls = _builder_cls(name)
     config = _build_config(builder_cls, name, config, custom_name)
     _check_writable(data_dir)
+    download_config = _download_config(source, beam_runner, beam_options)
     make = functools.partial(_make_builder, builder_cls, config=config, on_error=on_error)
     data_root = os.path.expanduser(data_dir)
     builder = make(data_root)
@@ -164,11 +173,24 @@ def build(
     origin = builder.origin(source)
     if exists and not prepared:
         _say(f"replacing {dataset_dir}, which holds no readable dataset")
-    download_config = tfds.download.DownloadConfig(manual_dir=source) if source else None
     record, report = _build_staged(make, data_root, dataset_dir, origin, on_error, download_config)
     built = make(data_root)
     built.provenance, built.reused, built.report = record, False, report
     return built
+
+
+def _download_config(
+    source: str | None, beam_runner: str | None, beam_options: str | Sequence[str] | None
+):
+    if beam_runner is None:
+        if beam_options is not None:
+            raise building.BuildError("--beam-options needs --beam-runner, the runner they are for")
+        return tfds.download.DownloadConfig(manual_dir=source) if source else None
+    from ood_jax.data import beam
+
+    return tfds.download.DownloadConfig(
+        manual_dir=source, beam_runner=beam_runner, beam_options=beam.options(beam_options or [])
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,7 +222,7 @@ def _reuse(builder, source: str | None) -> tfds.core.DatasetBuilder:
 def _reuse_unrecorded(builder, dataset_dir: pathlib.Path) -> tfds.core.DatasetBuilder:
     # A synthetic dataset is a function of its config, so one an older ood-jax rendered is
     # still what the config asks for; a source build's origin cannot be known.
-    if not isinstance(builder, building.SourceBuilder):
+    if not isinstance(builder, builders.SourceBuilder):
         builder.provenance, builder.reused, builder.report = None, True, None
         return builder
     raise building.BuildError(

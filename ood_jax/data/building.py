@@ -16,6 +16,8 @@ A build records where it came from (`BuildRecord`, `RECORD_FILE` in the dataset'
 the source directory and a SHA-256 of each file the builder reads other than images (each
 builder's `source_files` names them), or the generator settings of a synthetic builder, so a
 rebuild can tell the same source from another one.
+
+The builders' mixins are `ood_jax.data.builders`; Beam builds, `ood_jax.data.beam`.
 """
 
 from __future__ import annotations
@@ -27,8 +29,7 @@ import hashlib
 import io
 import json
 import pathlib
-import sys
-from typing import Any, Iterable, Iterator, TypeVar
+from typing import Any, Callable, Iterable
 
 import numpy as np
 from PIL import Image
@@ -39,8 +40,6 @@ from ood_jax import boxes as box_lib
 ON_ERROR_CHOICES = ("fail", "skip")
 # Written into the versioned dataset directory, next to TFDS's dataset_info.json.
 RECORD_FILE = "ood_jax_build.json"
-
-T = TypeVar("T")
 
 
 class BuildError(ValueError):
@@ -55,6 +54,24 @@ class BuildReport:
     dropped_boxes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     clipped_boxes: int = 0
     notes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    _skipped_paths: set[str] = dataclasses.field(
+        default_factory=set, init=False, repr=False, compare=False
+    )
+
+    def skip(self, path: str | pathlib.Path, reason: str) -> None:
+        """Counts an image as skipped; one that several records (or splits) use counts once."""
+        path = str(path)
+        if path not in self._skipped_paths:
+            self._skipped_paths.add(path)
+            self.skipped_images.append((path, reason))
+
+    def merge(self, other: "BuildReport") -> None:
+        """Adds what `other` (a Beam worker's report of later items) counted."""
+        for path, reason in other.skipped_images:
+            self.skip(path, reason)
+        self.dropped_boxes.update(other.dropped_boxes)
+        self.clipped_boxes += other.clipped_boxes
+        self.notes.update(other.notes)
 
     def summary(self, examples_per_split: dict[str, int] | None = None) -> str:
         lines = []
@@ -146,6 +163,11 @@ def read_image(path: str | pathlib.Path) -> EncodedImage:
                 buffer = io.BytesIO()
                 image.convert("RGB").save(buffer, format="JPEG", quality=95)
                 data = buffer.getvalue()
+    except Image.UnidentifiedImageError:
+        # PIL's own message names the in-memory buffer, whose address differs between builds.
+        raise BuildError(
+            f"{path}: corrupt or unreadable image (not a known image format)"
+        ) from None
     except (OSError, SyntaxError, ValueError) as e:
         raise BuildError(f"{path}: corrupt or unreadable image ({e})") from None
     return EncodedImage(jpeg=data, height=height, width=width)
@@ -160,7 +182,7 @@ def read_image_or_skip(
     except BuildError as e:
         if on_error == "fail":
             raise
-        report.skipped_images.append((str(path), str(e).split(": ", 1)[-1]))
+        report.skip(path, str(e).split(": ", 1)[-1])
         return None
 
 
@@ -193,6 +215,12 @@ def no_examples(split: str, images: int) -> BuildError:
         f"split {split}: every image was skipped ({images}), so it has no examples; "
         "the build report lists them"
     )
+
+
+# A builder's work on one item its `_split_generators` planned, the same in a single-process and
+# a Beam build: the item's (key, example) pairs, none if it was skipped, with what was skipped or
+# dropped counted in the report it is given (a worker's own, in a Beam build).
+ExampleFn = Callable[[Any, BuildReport], list[tuple[Any, dict]]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,101 +338,3 @@ class BuildRecord:
     @property
     def made_from(self) -> str:
         return self.source if self.source is not None else f"generator settings {self.settings}"
-
-
-# ---------------------------------------------------------------------------------------------
-# Builder mixins
-# ---------------------------------------------------------------------------------------------
-
-
-class ReportingBuilder:
-    """Mixed into each of our `tfds.core.GeneratorBasedBuilder`s: a `BuildReport`, and one
-    progress bar over the whole build (`ood_jax.datasets.build` turns it on and TFDS's own
-    per-split bars off). (A mixin, not a builder subclass, so TFDS registers no extra dataset.)
-    """
-
-    def __init__(self, **kwargs):
-        self.report = BuildReport()
-        self.show_progress = False
-        self._progress = None
-        super().__init__(**kwargs)
-
-    def source_path(self, source: str | None) -> str | None:
-        """The source directory a record of this build names; None for a builder reading none."""
-        del source
-        return None
-
-    def origin(self, source: str | None) -> Origin:
-        """What this build is made from; compared with a dataset's record on a rebuild."""
-        raise NotImplementedError(f"{type(self).__name__} must say what it is built from")
-
-    def start_progress(self, total: int, unit: str) -> None:
-        """Opens the build's one bar, over the `total` source items that every split reads."""
-        if not self.show_progress:
-            return
-        from tqdm import tqdm
-
-        config = f"/{self.builder_config.name}" if self.builder_config else ""
-        self._progress = tqdm(
-            total=total, desc=f"{self.name}{config}", unit=f" {unit}", file=sys.stderr
-        )
-
-    def track(self, items: Iterable[T]) -> Iterator[T]:
-        """Iterates over one split's source items, advancing the build's bar past each."""
-        for item in items:
-            yield item
-            if self._progress is not None:
-                self._progress.update(1)
-
-    def close_progress(self) -> None:
-        if self._progress is not None:
-            self._progress.close()
-            self._progress = None
-
-    # TFDS prints where it writes before and after a build; ood_jax.datasets builds in a
-    # staging directory and moves the result, so those lines would name the wrong place.
-    def _log_download_bytes(self) -> None:
-        pass
-
-    def _log_download_done(self) -> None:
-        pass
-
-
-class SourceBuilder(ReportingBuilder):
-    """Mixed into a `tfds.core.GeneratorBasedBuilder` that reads a release from `--source`.
-
-    Adds the `on_error` choice; the source directory arrives as TFDS's manual directory. Each
-    builder names, in `source_files`, the files other than images that it reads: their digests
-    identify the source in the dataset's build record.
-    """
-
-    MANUAL_DOWNLOAD_INSTRUCTIONS = "Pass the directory holding the release with --source."
-
-    def __init__(self, *, on_error: str = "fail", **kwargs):
-        self.on_error = check_on_error(on_error)
-        super().__init__(**kwargs)
-
-    def source_files(self, src: pathlib.Path) -> list[pathlib.Path]:
-        raise NotImplementedError(f"{type(self).__name__} must name the files it reads")
-
-    def source_path(self, source: str | None) -> str:
-        # Resolved, so two spellings of one directory (a symlink, a relative path) are one source.
-        return str(self._given_source(source).resolve())
-
-    def origin(self, source: str | None) -> Origin:
-        src = self._existing_source(source).resolve()
-        return Origin.of_source(src, self.source_files(src))
-
-    def source_dir(self, dl_manager) -> pathlib.Path:
-        return self._existing_source(getattr(dl_manager, "_manual_dir", None))
-
-    def _given_source(self, source) -> pathlib.Path:
-        if source is None:
-            raise BuildError(f"{self.name}: pass --source, the directory holding the release")
-        return pathlib.Path(source).expanduser()
-
-    def _existing_source(self, source) -> pathlib.Path:
-        path = self._given_source(source)
-        if not path.is_dir():
-            raise BuildError(f"{self.name}: source directory {source} does not exist (--source)")
-        return path

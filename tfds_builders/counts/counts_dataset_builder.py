@@ -43,16 +43,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import pathlib
 import re
-from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import numpy as np
 import tensorflow_datasets as tfds
 
 from ood_jax import boxes as box_lib
-from ood_jax.data import building, counts
+from ood_jax.data import builders, building, counts
 
 BuildError = building.BuildError
 _IMAGE_FIELDS = ("id", "file_name", "width", "height", "domain")
@@ -189,7 +189,7 @@ def _annotation_files(src: pathlib.Path) -> dict[str, pathlib.Path]:
     return {s: path for s, path in files.items() if path.is_file()}
 
 
-class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
+class Builder(builders.SourceBuilder, tfds.core.GeneratorBasedBuilder):
     """COUNTS: one split per (source split, domain), e.g. `train_snow`."""
 
     VERSION = tfds.core.Version("1.1.0")
@@ -214,7 +214,7 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
     def source_files(self, src: pathlib.Path) -> list[pathlib.Path]:
         return list(_annotation_files(src).values())
 
-    def _split_generators(self, dl_manager) -> dict[str, Iterator]:
+    def _split_generators(self, dl_manager) -> dict:
         src = self.source_dir(dl_manager)
         annotations = src / "annotations"
         files = _annotation_files(src)
@@ -235,59 +235,62 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
             for record in records:
                 by_split[counts.split_name(split, record.domains)].append(record)
         self.start_progress(sum(len(records) for records in by_split.values()), "images")
-        images_dir = annotations.parent / "images"
+        example_fn = functools.partial(
+            image_example, images_dir=annotations.parent / "images", on_error=self.on_error
+        )
         return {
-            name: self._generate_examples(records, images_dir, name)
+            name: self._generate_examples(name, records, example_fn)
             for name, records in by_split.items()
         }
 
-    def _generate_examples(
-        self, records: list[_ImageRecord], images_dir: pathlib.Path, split: str
-    ) -> Iterator[tuple[int, dict]]:
-        written = 0
-        for record in self.track(records):
-            path = images_dir / record.file_name
-            image = building.read_image_or_skip(path, self.on_error, self.report)
-            if image is None:
-                continue
-            if (image.height, image.width) != (record.height, record.width):
-                reason = (
-                    f"decoded size {image.width}x{image.height} differs from the annotation's "
-                    f"width x height {record.width}x{record.height} (image id {record.id})"
-                )
-                if self.on_error == "fail":
-                    raise BuildError(f"{path}: {reason}")
-                self.report.skipped_images.append((str(path), reason))
-                continue
-            written += 1
-            yield record.id, self._example(record, image)
-        if not written:
-            raise building.no_examples(split, len(records))
 
-    def _example(self, record: _ImageRecord, image: building.EncodedImage) -> dict:
-        xywh = np.array([o.xywh for o in record.objects], np.float64).reshape(-1, 4)
-        bbox, kept = building.clean_boxes(xywh, record.height, record.width, self.report)
-        kept_objects = [o for o, k in zip(record.objects, kept) if k]
-        # Boxes past the edge are stored clipped, so the default area is the clipped box's.
-        clipped = box_lib.clip_xyxy(
-            box_lib.xywh_to_xyxy(xywh[kept]), max_x=record.width, max_y=record.height
+def image_example(
+    record: _ImageRecord, report: building.BuildReport, *, images_dir: pathlib.Path, on_error: str
+) -> list[tuple[int, dict]]:
+    """An image record's one (key, example), or none if its image is skipped
+    (`building.ExampleFn`)."""
+    path = images_dir / record.file_name
+    image = building.read_image_or_skip(path, on_error, report)
+    if image is None:
+        return []
+    if (image.height, image.width) != (record.height, record.width):
+        reason = (
+            f"decoded size {image.width}x{image.height} differs from the annotation's "
+            f"width x height {record.width}x{record.height} (image id {record.id})"
         )
-        sizes = box_lib.xyxy_to_xywh(clipped)
-        box_areas = sizes[:, 2] * sizes[:, 3]
-        return {
-            "image": image.jpeg,
-            "image/id": record.id,
-            "image/filename": record.file_name,
-            "domain": record.domain,
-            "domains": list(record.domains),
-            "objects": {
-                "bbox": bbox,
-                "label": np.array([o.label for o in kept_objects], np.int64),
-                "area": np.array(
-                    [a if o.area is None else o.area for o, a in zip(kept_objects, box_areas)],
-                    np.float32,
-                ),
-                "is_crowd": np.array([o.is_crowd for o in kept_objects], bool),
-                "id": np.array([o.id for o in kept_objects], np.int64),
-            },
-        }
+        if on_error == "fail":
+            raise BuildError(f"{path}: {reason}")
+        report.skip(path, reason)
+        return []
+    return [(record.id, _example(record, image, report))]
+
+
+def _example(
+    record: _ImageRecord, image: building.EncodedImage, report: building.BuildReport
+) -> dict:
+    xywh = np.array([o.xywh for o in record.objects], np.float64).reshape(-1, 4)
+    bbox, kept = building.clean_boxes(xywh, record.height, record.width, report)
+    kept_objects = [o for o, k in zip(record.objects, kept) if k]
+    # Boxes past the edge are stored clipped, so the default area is the clipped box's.
+    clipped = box_lib.clip_xyxy(
+        box_lib.xywh_to_xyxy(xywh[kept]), max_x=record.width, max_y=record.height
+    )
+    sizes = box_lib.xyxy_to_xywh(clipped)
+    box_areas = sizes[:, 2] * sizes[:, 3]
+    return {
+        "image": image.jpeg,
+        "image/id": record.id,
+        "image/filename": record.file_name,
+        "domain": record.domain,
+        "domains": list(record.domains),
+        "objects": {
+            "bbox": bbox,
+            "label": np.array([o.label for o in kept_objects], np.int64),
+            "area": np.array(
+                [a if o.area is None else o.area for o, a in zip(kept_objects, box_areas)],
+                np.float32,
+            ),
+            "is_crowd": np.array([o.is_crowd for o in kept_objects], bool),
+            "id": np.array([o.id for o in kept_objects], np.int64),
+        },
+    }

@@ -25,18 +25,18 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import itertools
 import pathlib
 import posixpath
 import re
-from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import numpy as np
 import tensorflow_datasets as tfds
 
-from ood_jax.data import building
+from ood_jax.data import builders, building
 from ood_jax.data.foci import (
     IMAGENET_CLASS_NAMES_FILE,
     IMAGENET_HALVES,
@@ -384,7 +384,7 @@ def custom_config(name: str) -> FociConfig:
     return _custom(name)
 
 
-class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
+class Builder(builders.SourceBuilder, tfds.core.GeneratorBasedBuilder):
     """FOCI multiple-choice questions from a dataset's release plus an options file."""
 
     VERSION = tfds.core.Version("1.0.0")
@@ -438,7 +438,7 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
             )
         return found[0]
 
-    def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict[str, Iterator]:
+    def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict:
         src = self.source_dir(dl_manager)
         config = self.builder_config
         options_path = self._options_path(src)
@@ -462,33 +462,36 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
             if item.image in groups:
                 grouped[groups[item.image]].append(item)
         self.start_progress(len(items) + sum(map(len, grouped.values())), "images")
-        splits = {"test": self._generate_examples(src, items, "test", self.report)}
-        # A group's images were reported (if skipped) by split test already.
-        for name, members in sorted(grouped.items()):
-            splits[name] = self._generate_examples(src, members, name, building.BuildReport())
-        return splits
+        example_fn = functools.partial(
+            question, src=src, on_error=self.on_error, seed=config.seed, dataset=config.name
+        )
+        # A group repeats test's images; one skipped is counted once (`BuildReport.skip`).
+        return {
+            name: self._generate_examples(name, members, example_fn)
+            for name, members in [("test", items), *sorted(grouped.items())]
+        }
 
-    def _generate_examples(
-        self, src: pathlib.Path, items: list[Item], split: str, report: building.BuildReport
-    ) -> Iterator[tuple[str, dict[str, Any]]]:
-        config = self.builder_config
-        written = 0
-        for item in self.track(items):
-            image = building.read_image_or_skip(src / item.image, self.on_error, report)
-            if image is None:
-                continue
-            written += 1
-            options, answer = shuffle_options(item.options, item.label, config.seed, item.image)
-            yield (
-                item.image,
-                {
-                    "image": image.jpeg,
-                    "image/filename": item.image,
-                    "label": item.label,
-                    "options": list(options),
-                    "answer": answer,
-                    "dataset": config.name,
-                },
-            )
-        if not written:
-            raise building.no_examples(split, len(items))
+
+def question(
+    item: Item,
+    report: building.BuildReport,
+    *,
+    src: pathlib.Path,
+    on_error: str,
+    seed: int,
+    dataset: str,
+) -> list[tuple[str, dict[str, Any]]]:
+    """An item's one (key, example), or none if its image is skipped (`building.ExampleFn`)."""
+    image = building.read_image_or_skip(src / item.image, on_error, report)
+    if image is None:
+        return []
+    options, answer = shuffle_options(item.options, item.label, seed, item.image)
+    example = {
+        "image": image.jpeg,
+        "image/filename": item.image,
+        "label": item.label,
+        "options": list(options),
+        "answer": answer,
+        "dataset": dataset,
+    }
+    return [(item.image, example)]

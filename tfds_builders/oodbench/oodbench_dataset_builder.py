@@ -37,16 +37,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import pathlib
 import random
-from collections.abc import Iterator
 from typing import ClassVar
 
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from ood_jax import prompts
-from ood_jax.data import building, oodbench
+from ood_jax.data import builders, building, oodbench
 from ood_jax.data.oodbench import category_text
 
 SPLITS = oodbench.SPLITS
@@ -67,6 +67,34 @@ class _Source:
     categories: dict[int, str]
     images: dict[int, oodbench.AnnotatedImage]
     instances: dict[str, list[oodbench.Instance]]  # TFDS split -> instances in file order
+
+
+@dataclasses.dataclass(frozen=True)
+class _ImageQuestions:
+    """One image of a split with the (key, example without the image) of its questions."""
+
+    image: oodbench.AnnotatedImage
+    questions: list[tuple[str, dict]]
+
+
+def image_examples(
+    item: _ImageQuestions,
+    report: building.BuildReport,
+    *,
+    images_dir: pathlib.Path,
+    on_error: str,
+) -> list[tuple[str, dict]]:
+    """An image's questions with the image, read once for all of them, or none if it is
+    skipped (`building.ExampleFn`)."""
+    image_id = item.image.id
+    path = oodbench.image_path(images_dir, item.image)
+    encoded = building.read_image_or_skip(path, on_error, report)
+    if encoded is None:
+        return []
+    return [
+        (f"{image_id}/{key}", {**example, "image": encoded.jpeg, "image/id": image_id})
+        for key, example in item.questions
+    ]
 
 
 def _by_image(instances: list[oodbench.Instance]) -> dict[int, list[oodbench.Instance]]:
@@ -90,7 +118,7 @@ def _empty_split(
     return building.BuildError(f"split {split} would be empty: {why} (see the build report)")
 
 
-class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
+class Builder(builders.SourceBuilder, tfds.core.GeneratorBasedBuilder):
     """OODBench from COCO/LVIS annotations and the ID / OOD-S / OOD-H instance list."""
 
     VERSION = tfds.core.Version("1.0.0")
@@ -101,10 +129,6 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
             name="bap", description="Existential, counting and logical questions (BAP metric)."
         ),
     ]
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self._unreadable: set[pathlib.Path] = set()
 
     def _info(self) -> tfds.core.DatasetInfo:
         common = {
@@ -134,7 +158,7 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
     def source_files(self, src: pathlib.Path) -> list[pathlib.Path]:
         return [src / "annotations.json", src / "splits.jsonl"]
 
-    def _split_generators(self, dl_manager) -> dict[str, Iterator]:
+    def _split_generators(self, dl_manager) -> dict:
         root = self.source_dir(dl_manager)
         categories, names, images = oodbench.read_annotations(root / "annotations.json")
         splits_path = root / "splits.jsonl"
@@ -151,35 +175,18 @@ class Builder(building.SourceBuilder, tfds.core.GeneratorBasedBuilder):
             if not questions[split]:
                 raise _empty_split(splits_path, label, split, len(instances[split]))
         self.start_progress(sum(len(q) for q in questions.values()), "images")
+        # An image in several splits is read in each; skipped, it counts once (`BuildReport.skip`).
+        example_fn = functools.partial(
+            image_examples, images_dir=source.images_dir, on_error=self.on_error
+        )
         return {
-            split: self._generate_examples(source, split, questions[split])
+            split: self._generate_examples(
+                split,
+                [_ImageQuestions(source.images[i], q) for i, q in questions[split].items()],
+                example_fn,
+            )
             for split in SPLITS.values()
         }
-
-    def _read(self, source: _Source, image_id: int) -> building.EncodedImage | None:
-        path = oodbench.image_path(source.images_dir, source.images[image_id])
-        # An image used in several splits is read, and counted if skipped, once per build.
-        if path in self._unreadable:
-            return None
-        encoded = building.read_image_or_skip(path, self.on_error, self.report)
-        if encoded is None:
-            self._unreadable.add(path)
-        return encoded
-
-    def _generate_examples(
-        self, source: _Source, split: str, questions: dict[int, list[tuple[str, dict]]]
-    ) -> Iterator[tuple[str, dict]]:
-        """Adds each image, read once for all its questions, to the planned examples."""
-        written = 0
-        for image_id in self.track(list(questions)):
-            encoded = self._read(source, image_id)
-            if encoded is None:
-                continue
-            written += 1
-            for key, example in questions[image_id]:
-                yield f"{image_id}/{key}", {**example, "image": encoded.jpeg, "image/id": image_id}
-        if not written:
-            raise building.no_examples(split, len(questions))
 
     def _yes_no_questions(self, source: _Source, split: str) -> dict[int, list[tuple[str, dict]]]:
         """Image id -> (key, example without the image) of the split's yes/no questions."""

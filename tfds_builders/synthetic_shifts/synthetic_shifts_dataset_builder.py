@@ -20,15 +20,15 @@ settings (`SyntheticConfig`'s fields): a rebuild whose config renders otherwise 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
-from collections.abc import Iterator
 from typing import ClassVar
 
 import numpy as np
 import tensorflow_datasets as tfds
 from PIL import Image
 
-from ood_jax.data import building, counts, synthetic_render
+from ood_jax.data import builders, building, counts, synthetic_render
 
 SPLITS = ("train", "test")
 JPEG_QUALITY = 90
@@ -69,7 +69,7 @@ def _jpeg(pixels: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-class Builder(building.ReportingBuilder, tfds.core.GeneratorBasedBuilder):
+class Builder(builders.ReportingBuilder, tfds.core.GeneratorBasedBuilder):
     """Synthetic shapes in COUNTS' 14 domains: splits `train_{domain}`, `test_{domain}`."""
 
     VERSION = tfds.core.Version("1.0.0")
@@ -113,42 +113,52 @@ class Builder(building.ReportingBuilder, tfds.core.GeneratorBasedBuilder):
             features=counts.detection_features(synthetic_render.CLASS_NAMES),
         )
 
-    def _split_generators(self, dl_manager) -> dict[str, Iterator]:
+    def _split_generators(self, dl_manager) -> dict:
         del dl_manager  # Nothing is downloaded or read.
         config = self.builder_config
         sizes = {"train": config.train_per_domain, "test": config.test_per_domain}
         self.start_progress(sum(sizes.values()) * len(counts.DOMAINS), "images")
-        return {
-            counts.split_name(split, domain): self._generate_examples(split, domain, sizes[split])
-            for split in SPLITS
-            for domain in counts.DOMAINS
-        }
+        splits = {}
+        for split in SPLITS:
+            for domain in counts.DOMAINS:
+                name = counts.split_name(split, domain)
+                example_fn = functools.partial(
+                    rendered_example,
+                    split=split,
+                    domain=domain,
+                    seed=config.seed,
+                    size_range=tuple(config.size_range),
+                )
+                splits[name] = self._generate_examples(name, range(sizes[split]), example_fn)
+        return splits
 
-    def _generate_examples(
-        self, split: str, domain: str, num_examples: int
-    ) -> Iterator[tuple[int, dict]]:
-        config = self.builder_config
-        split_index, domain_index = SPLITS.index(split), counts.DOMAINS.index(domain)
-        examples = synthetic_render.render_split(
-            2 * config.seed + split_index, domain, num_examples, tuple(config.size_range)
-        )
-        for index, example in enumerate(self.track(examples)):
-            height, width = example["image"].shape[:2]
-            bbox, kept = building.clean_boxes(example["boxes"], height, width, self.report)
-            ids = _object_ids(split_index, domain_index, index, len(kept))
-            yield (
-                int(example["image/id"]),
-                {
-                    "image": _jpeg(example["image"]),
-                    "image/id": int(example["image/id"]),
-                    "image/filename": f"synthetic/{split}/{domain}/{index}.jpg",
-                    "domain": domain,
-                    "objects": {
-                        "bbox": bbox,
-                        "label": example["labels"][kept].astype(np.int64),
-                        "area": example["area"][kept].astype(np.float32),
-                        "is_crowd": example["is_crowd"][kept].astype(bool),
-                        "id": ids[kept],
-                    },
-                },
-            )
+
+def rendered_example(
+    index: int,
+    report: building.BuildReport,
+    *,
+    split: str,
+    domain: str,
+    seed: int,
+    size_range: tuple[int, int],
+) -> list[tuple[int, dict]]:
+    """Example `index` of a split's domain, rendered on its own (`building.ExampleFn`)."""
+    split_index, domain_index = SPLITS.index(split), counts.DOMAINS.index(domain)
+    example = synthetic_render.split_example(2 * seed + split_index, domain, index, size_range)
+    height, width = example["image"].shape[:2]
+    bbox, kept = building.clean_boxes(example["boxes"], height, width, report)
+    ids = _object_ids(split_index, domain_index, index, len(kept))
+    record = {
+        "image": _jpeg(example["image"]),
+        "image/id": int(example["image/id"]),
+        "image/filename": f"synthetic/{split}/{domain}/{index}.jpg",
+        "domain": domain,
+        "objects": {
+            "bbox": bbox,
+            "label": example["labels"][kept].astype(np.int64),
+            "area": example["area"][kept].astype(np.float32),
+            "is_crowd": example["is_crowd"][kept].astype(bool),
+            "id": ids[kept],
+        },
+    }
+    return [(int(example["image/id"]), record)]
