@@ -24,6 +24,7 @@ from ood_jax.detection import compare as compare_detectors  # noqa: E402
 from ood_jax.eval import cli as eval_cli  # noqa: E402
 from ood_jax.eval import compare as compare_cli  # noqa: E402
 from ood_jax.mining import cli as mining_cli  # noqa: E402
+from ood_jax.report import cli as report_cli  # noqa: E402
 from ood_jax.stats import cli as stats_cli  # noqa: E402
 
 
@@ -361,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert_cityscapes.add_parser(converters)
 
     mining_cli.add_parsers(sub)
+    report_cli.add_parser(sub)  # report: the effective-robustness page of several runs
     eval_cli.add_parsers(sub)  # eval-mllm
     compare_cli.add_parsers(sub)  # compare: two eval-mllm runs on the same items
     compare_detectors.add_parsers(sub)  # compare-detectors: two workdirs on the same splits

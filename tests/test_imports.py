@@ -19,6 +19,7 @@ PACKAGES = ("ood_jax", "tfds_builders")
 # Every module of the two packages must fall in exactly one layer (the longest prefix wins).
 LAYERS = (
     ("ood_jax.cli", "ood_jax.__main__"),
+    ("ood_jax.report",),
     ("ood_jax.train",),
     ("ood_jax.detection",),
     ("ood_jax.eval",),
