@@ -15,6 +15,7 @@ $(VENV)/.runtime: pyproject.toml
 $(VENV)/.installed: $(VENV)/.runtime
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps nuscenes-devkit==1.2.0  # see pyproject's `sources` extra
+	$(BIN)/pip install -q --no-deps imagecorruptions==1.1.2  # see pyproject's `corruptions` extra
 	touch $@
 
 demo: $(VENV)/.runtime

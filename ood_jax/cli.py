@@ -127,6 +127,7 @@ def _build(args: argparse.Namespace) -> None:
             custom_name=args.set_name,
             beam_runner=args.beam_runner,
             beam_options=args.beam_options,
+            corruption=_corruption_request(args),
         )
     except BaseException as error:
         # What a failed or interrupted build skipped is printed before its one error line.
@@ -151,6 +152,17 @@ def _build(args: argparse.Namespace) -> None:
         print(record.summary)
     else:
         print("\n".join(f"  {k}: {v.num_examples}" for k, v in builder.info.splits.items()))
+
+
+def _corruption_request(args: argparse.Namespace) -> dict | None:
+    """`build corrupted`'s request (`datasets.build`) from the flags given; None if none is."""
+    given = {
+        "dataset": args.dataset,
+        "corruptions": args.corruptions,
+        "severities": args.severities,
+        "splits": args.splits,
+    }
+    return {k: v for k, v in given.items() if v is not None} or None
 
 
 def _export(args: argparse.Namespace) -> None:
@@ -236,12 +248,14 @@ def build_parser() -> argparse.ArgumentParser:
             "--overwrite",
             "ood-jax build counts --source COUNTS_DIR --data-dir /shared/tfds --beam-runner "
             'FlinkRunner --beam-options="--flink_master=HOST:8081 --parallelism=64"',
+            "ood-jax build corrupted --dataset synthetic_shifts/tiny --data-dir data/tfds "
+            "--corruptions gaussian_noise,fog --severities 1,3 --splits test_sky,test_dim",
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         add_help=False,
     )
     p.add_argument("-h", "--help", action=BuildHelp, nargs=0, help="show this help and exit")
-    p.add_argument("name", help="counts, foci, oodbench or synthetic_shifts")
+    p.add_argument("name", help="counts, foci, oodbench, synthetic_shifts or corrupted")
     p.add_argument(
         "--source", help="directory holding the release (not needed for synthetic_shifts)"
     )
@@ -281,6 +295,25 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FLAGS",
         help='the pipeline options of --beam-runner, one string after "=" (it starts with '
         '"--"), e.g. --beam-options="--direct_num_workers=4 --direct_running_mode=multi_processing"',
+    )
+    corrupted = p.add_argument_group(
+        "corrupted",
+        "a dataset prepared in --data-dir under ImageNet-C corruptions (imagecorruptions); its "
+        "config is named after the request, printed at the end, and read as corrupted/CONFIG",
+    )
+    corrupted.add_argument(
+        "--dataset", metavar="NAME[/CONFIG]", help="the prepared dataset to corrupt"
+    )
+    corrupted.add_argument(
+        "--corruptions",
+        metavar="C,...",
+        help="of the 15 ImageNet-C corruptions, e.g. gaussian_noise,fog (default: all)",
+    )
+    corrupted.add_argument(
+        "--severities", metavar="S,...", help="severities 1-5, e.g. 1,3 (default: all)"
+    )
+    corrupted.add_argument(
+        "--splits", metavar="SPLIT,...", help="the source's splits to corrupt (default: all)"
     )
     p.set_defaults(run=_build)
 

@@ -9,6 +9,8 @@ the builders in turn import only `ood_jax.data`, so there is no import circle. E
     builder = datasets.load("synthetic_shifts/tiny", data_dir)    # prepared, or an error saying how
     datasets.build("foci", data_dir, source=SRC, config="custom", custom_name="imagenet_v2")
     builder = datasets.load("foci/imagenet_v2", data_dir)         # a custom set under its name
+    datasets.build("corrupted", data_dir, corruption={"dataset": "synthetic_shifts/tiny",
+                   "corruptions": "fog,snow", "severities": "1,3"})  # -> corrupted/<config>
     names = datasets.class_names("counts", data_dir)              # detection label names
     datasets.configs("foci")                                      # ("food101", "flowers102", ...)
 
@@ -39,11 +41,13 @@ from tensorflow_datasets.core.utils import tqdm_utils
 
 import tfds_builders
 from ood_jax import files
-from ood_jax.data import builders, building
+from ood_jax.data import builders, building, corrupted
 
 NAMES = tfds_builders.NAMES
 # Procedurally rendered: built on first use when a config asks for it (`build_if_missing`).
 SYNTHETIC = ("synthetic_shifts",)
+# A prepared dataset under corruptions; its configs are named by the request they build.
+CORRUPTED = "corrupted"
 
 # TFDS names its own partial builds `incomplete.XXXXXX_VERSION`; ours share the prefix, so one
 # sweep finds both. A dataset moved aside by --overwrite is `replaced.XXXX_VERSION` until the
@@ -104,6 +108,10 @@ def _build_config(builder_cls, name: str, config: str | None, custom_name: str |
 def _load_config(builder_cls, name: str, config: str | None):
     """What a reader passes as `config`: a config's name, or a custom set's config by its name
     (a custom set differs from the builder's custom config only in its name)."""
+    if name == CORRUPTED:
+        if config is None:
+            raise building.BuildError(f"{name}: name the build, {name}/CONFIG")
+        return builder_cls.config_named(config)
     configs = [c.name for c in builder_cls.BUILDER_CONFIGS]
     if config is not None and config not in configs and hasattr(builder_cls, "CUSTOM_CONFIG"):
         return builder_cls.custom_config(config)
@@ -140,6 +148,7 @@ def build(
     custom_name: str | None = None,
     beam_runner: str | None = None,
     beam_options: str | Sequence[str] | None = None,
+    corruption: dict | None = None,
 ) -> tfds.core.DatasetBuilder:
     """Builds dataset `name` (config `config`) from `source` into `data_dir`.
 
@@ -151,13 +160,22 @@ def build(
     those of a build in this process. `source` and `data_dir` must then be on a filesystem the
     workers share (`ood_jax.data.beam`).
 
+    `corruption` builds "corrupted": {"dataset": NAME[/CONFIG] prepared in `data_dir`,
+    "corruptions", "severities" ("all" by default) and "splits" (all by default)}, comma-
+    separated strings or lists (`ood_jax.data.corrupted.Request`); it is read back as
+    "corrupted/<the config name it prints>".
+
     Returns the prepared builder with `.provenance` (its `BuildRecord`), `.reused` (True when
     the dataset was already built from this source and nothing was done) and `.report` (what
     this build skipped, dropped or clipped; None when reused). Raises `BuildError` when
     `data_dir` holds this dataset built from another source, unless `overwrite`.
     """
     builder_cls = _builder_cls(name)
-    config = _build_config(builder_cls, name, config, custom_name)
+    if name == CORRUPTED or corruption is not None:
+        named = config or custom_name
+        config = _corruption_config(builder_cls, name, data_dir, named, corruption)
+    else:
+        config = _build_config(builder_cls, name, config, custom_name)
     _check_writable(data_dir)
     download_config = _download_config(source, beam_runner, beam_options)
     make = functools.partial(_make_builder, builder_cls, config=config, on_error=on_error)
@@ -177,6 +195,33 @@ def build(
     built = make(data_root)
     built.provenance, built.reused, built.report = record, False, report
     return built
+
+
+def _corruption_config(
+    builder_cls, name: str, data_dir: str, named: str | None, corruption: dict | None
+):
+    """The config that builds the request `corruption` (`build`'s doc) as "corrupted"."""
+    if name != CORRUPTED:
+        raise building.BuildError(f"--dataset and --corruptions are for {CORRUPTED}, not {name}")
+    if named is not None:
+        raise building.BuildError(
+            f"{name}: its config is named after the request (--dataset, --corruptions, "
+            "--severities, --splits), not chosen with --config or --name"
+        )
+    if not corruption or not corruption.get("dataset"):
+        raise building.BuildError(f"{name}: pass --dataset, the prepared dataset to corrupt")
+    source = load(corruption["dataset"], data_dir)
+    try:
+        request = corrupted.Request.create(
+            corruption["dataset"],
+            source.info.splits,
+            corruption.get("corruptions") or "all",
+            corruption.get("severities") or "all",
+            corruption.get("splits"),
+        )
+    except ValueError as e:
+        raise building.BuildError(str(e)) from None
+    return builder_cls.request_config(request, source.data_dir)
 
 
 def _download_config(
@@ -418,6 +463,12 @@ def load(name: str, data_dir: str, build_if_missing: bool = False) -> tfds.core.
         return builder
     if build_if_missing and dataset in SYNTHETIC:
         return build(dataset, data_dir=data_dir, config=config or None)
+    if dataset == CORRUPTED:
+        raise FileNotFoundError(
+            f"{name} is not prepared in {data_dir}; `ood-jax build {CORRUPTED} --dataset "
+            f"NAME[/CONFIG] --corruptions ... --severities ... --data-dir {data_dir}` builds one "
+            "and prints its name"
+        )
     config_flag = f" --config {config}" if config else ""
     what = ""
     if isinstance(chosen, tfds.core.BuilderConfig):  # a custom set under a name of its own

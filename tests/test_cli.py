@@ -95,8 +95,8 @@ def test_tensorflow_startup_notices_are_silenced():
     )
     assert result.returncode == 1
     assert result.stderr.splitlines() == [
-        "error: unknown dataset 'nope'; ours are counts, foci, oodbench, synthetic_shifts "
-        "(--debug shows the traceback)"
+        "error: unknown dataset 'nope'; ours are counts, foci, oodbench, synthetic_shifts, "
+        "corrupted (--debug shows the traceback)"
     ], result.stderr
 
 
