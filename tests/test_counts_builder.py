@@ -6,9 +6,6 @@ import dataclasses
 import io
 import json
 import pathlib
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -19,6 +16,7 @@ from ood_jax import boxes as box_lib
 from ood_jax import cli
 from ood_jax import datasets
 from ood_jax.data import building, counts
+from ood_jax.testing import plain_tfds
 
 # Ids are sparse and names spelled loosely, as a release may do; values are COUNTS' names.
 CATEGORY_RECORDS = {
@@ -310,36 +308,8 @@ def test_bad_domain_lists_fail_naming_the_image(tmp_path, value, message):
 
 def test_readable_without_ood_jax(full, tmp_path):
     """The records open with plain TFDS in a process that never imports our code."""
-    _, builder, _ = full
-    script = textwrap.dedent(
-        """
-        import json, sys
-        import tensorflow_datasets as tfds
-        builder = tfds.builder_from_directory(sys.argv[1])
-        out = {}
-        for split in builder.info.splits:
-            for r in tfds.as_numpy(builder.as_dataset(split=split)):
-                out[str(r["image/id"])] = {
-                    "split": split,
-                    "shape": list(r["image"].shape),
-                    "labels": [builder.info.features["objects"]["label"].int2str(i)
-                               for i in r["objects"]["label"]],
-                }
-        assert not any(m.split(".")[0] in ("ood_jax", "tfds_builders") for m in sys.modules)
-        print(json.dumps(out))
-        """
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", script, builder.data_dir],
-        check=False,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    got = json.loads(result.stdout.strip().splitlines()[-1])
-    source = full[0]
+    source, builder, _ = full
+    got = plain_tfds.detection_records(builder.data_dir, cwd=tmp_path)
     assert len(got) == len(source.expected)
     for want in source.expected:
         record = got[str(want.id)]
