@@ -108,6 +108,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.eval_every = 0
     config.checkpoint_every = 10 if smoke else 1000
     config.keep_checkpoints = 3
+
+    # Model selection (ood_jax/train/selection.py; `ood-jax sweep`). val_fraction > 0 holds that
+    # share of each training split out of training, evaluated for training-domain validation
+    # (0 here: a run trains on every training image, as the paper's; a sweep with
+    # training_domain uses 0.2 unless set); oracle_fraction is the share of each target's test
+    # images the test-domain oracle selects on; leave_out, a training domain the run does not
+    # train on, evaluated on its training images (a leave-one-domain-out job sets it).
+    config.selection = ml_collections.ConfigDict()
+    config.selection.val_fraction = 0.0
+    config.selection.oracle_fraction = 0.2
+    config.selection.leave_out = ""
     # A workdir's checkpoints resume only with the config they were trained with, except for
     # run length, intervals, paths and devices (ood_jax/train/config_checks.py); True lets a
     # changed model, data or optimizer field through.

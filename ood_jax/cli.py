@@ -409,6 +409,7 @@ DETECTOR_COMMANDS = {
     "pretrain": "pretrain a detector's backbone (the stage train runs first when configured)",
     "train": "train a detector",
     "evaluate": "evaluate a detector",
+    "sweep": "train N seeds of a detector and select checkpoints by each model-selection protocol",
 }
 
 
@@ -417,12 +418,34 @@ _DETECTOR_EXAMPLES = {
     "train": "ood-jax train --config=configs/synthetic_detr.py:smoke --workdir=/tmp/smoke "
     "--config.total_steps=20",
     "evaluate": "ood-jax evaluate --config=configs/synthetic_detr.py --workdir=workdirs/run",
+    "sweep": "ood-jax sweep --config=configs/synthetic_detr.py:smoke --workdir=/tmp/sweep "
+    "--seeds=2 --config.total_steps=4 --config.eval_every=2",
+}
+
+# Commands' own flags, beside the config flags: `sweep`'s (ood_jax/train/sweep.py), and
+# `evaluate --corrupted` (ood_jax/train/evaluate_corrupted.py).
+_EVALUATE_FLAGS = {
+    "--corrupted=corrupted/NAME": "evaluate on a corrupted copy of the run's dataset (`ood-jax "
+    "build corrupted`): corruptions.json, results_corruptions.md (mPC, rPC) and "
+    "corruptions_severity.png in the workdir",
+}
+_SWEEP_FLAGS = {
+    "--seeds=N": "runs of seeds config.seed, config.seed + 1, ... (default 1)",
+    "--protocols=P,...": "last, training_domain, leave_one_domain_out, oracle (default: "
+    "last,training_domain,oracle; leave_one_domain_out adds a run per seed and training domain)",
+    "--leave-out=D,...": "the training domains leave_one_domain_out leaves out (default: all)",
+    "--job=NAME_OR_INDEX": "run this job of the sweep only (a cluster array task)",
+    "--list-jobs": "write WORKDIR/sweep.json and print its jobs, one a line",
+    "--aggregate-only": "only aggregate the jobs' evaluations into WORKDIR/results.json and "
+    "results.md (no --config needed)",
 }
 
 
 def _detector_help(command: str, argv: Sequence[str]) -> str:
     """`ood-jax train --help`: the flags, an example, the configs at hand and, given --config,
     that config's description (its variants) and its top-level fields with their values."""
+    import textwrap
+
     lines = [
         f"usage: ood-jax {command} --config=FILE[:variant] --workdir=DIR "
         "[--config.FIELD=VALUE ...] [--debug]",
@@ -436,6 +459,15 @@ def _detector_help(command: str, argv: Sequence[str]) -> str:
         "  --config.FIELD=VALUE     override a config field, e.g. --config.total_steps=100;",
         "                           resuming a workdir with another model or data config needs",
         "                           --config.allow_config_change=True",
+        *(
+            line
+            for flag, what in {"sweep": _SWEEP_FLAGS, "evaluate": _EVALUATE_FLAGS}.get(
+                command, {}
+            ).items()
+            for line in textwrap.wrap(
+                what, 94, initial_indent=f"  {flag:<24} ", subsequent_indent=" " * 27
+            )
+        ),
         "  --debug                  show the traceback of an error",
         "",
         "example:",
@@ -517,10 +549,35 @@ def _train_or_evaluate(command: str, argv: Sequence[str]) -> None:
     flags.DEFINE_string(
         "workdir", None, "run directory (checkpoints, results)", flag_values=flag_values
     )
+    if command == "sweep":
+        from ood_jax.train import sweep
+
+        flags.DEFINE_integer("seeds", 1, "seeds", flag_values=flag_values)
+        flags.DEFINE_list("protocols", list(sweep.DEFAULT_PROTOCOLS), "", flag_values=flag_values)
+        flags.DEFINE_list("leave-out", [], "left-out domains", flag_values=flag_values)
+        flags.DEFINE_string("job", None, "one job", flag_values=flag_values)
+        flags.DEFINE_bool("list-jobs", False, "print the jobs", flag_values=flag_values)
+        flags.DEFINE_bool("aggregate-only", False, "only aggregate", flag_values=flag_values)
+    if command == "evaluate":
+        flags.DEFINE_string("corrupted", None, "a corrupted dataset", flag_values=flag_values)
     try:
         flag_values([f"ood-jax {command}", *argv])
     except flags.Error as e:
         raise SystemExit(f"error: {e}") from None
+    if command == "sweep" and flag_values.workdir is not None:
+        sweep.sweep(
+            flag_values.config,
+            flag_values.workdir,
+            seeds=flag_values.seeds,
+            protocols=flag_values.protocols,
+            leave_out=flag_values["leave-out"].value,
+            job=flag_values.job,
+            list_jobs=flag_values["list-jobs"].value,
+            aggregate_only=flag_values["aggregate-only"].value,
+        )
+        if not (flag_values.job or flag_values["list-jobs"].value):
+            print((pathlib.Path(flag_values.workdir) / "results.md").read_text())
+        return
     if flag_values.config is None or flag_values.workdir is None:
         raise SystemExit(
             f"usage: ood-jax {command} --config=configs/X.py[:arg] --workdir=DIR [--config.f=v]"
@@ -534,6 +591,14 @@ def _train_or_evaluate(command: str, argv: Sequence[str]) -> None:
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
         print(f"pretrained backbone: {path} (train on this workdir starts from it)")
+        return
+    if command == "evaluate" and flag_values.corrupted:
+        from ood_jax.train import evaluate_corrupted
+
+        evaluate_corrupted.evaluate_corrupted(
+            flag_values.config, flag_values.workdir, flag_values.corrupted
+        )
+        print((pathlib.Path(flag_values.workdir) / "results_corruptions.md").read_text())
         return
     run = train.train_and_evaluate if command == "train" else train.evaluate
     run(flag_values.config, flag_values.workdir)

@@ -15,11 +15,21 @@ O(OD)^2 is defined on images, and so on these splits:
 Each is a union of whole splits, so a TFDS split expression such as "train_dim+train_snow"
 (`held_out_split_expressions`, given the splits a build has), and no image is read twice in
 one epoch.
+
+`hold_out_windows` takes a seed-chosen slice out of such a union (model selection's
+training-domain validation set): from each split a contiguous window of its records, by
+absolute position, so the slice and what is left are again TFDS split expressions (e.g.
+"train_dim[:3]+train_dim[5:]" and "train_dim[3:5]"), disjoint and together the whole union.
+TFDS writes a split's records in an order shuffled by key, so a window is a random sample of
+the split's images, and a pure function of the seed and the build.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import zlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import numpy as np
 
 # Table 7 of the COUNTS paper, in its order.
 CATEGORIES = (
@@ -127,6 +137,31 @@ def held_out_split_expressions(
     }
     expressions.update({t: images_with(test_split, [t], available) for t in targets})
     return expressions
+
+
+def hold_out_windows(
+    expression: str, sizes: Mapping[str, int], fraction: float, seed: int
+) -> tuple[str, str]:
+    """(kept, held out): the "+" union of whole splits `expression` without, and as, a window of
+    round(fraction * n) consecutive records of each of its splits (n records, `sizes[name]`),
+    the window's start drawn from (seed, split name). Either side is "" when it holds nothing.
+    """
+    if not 0 <= fraction < 1:
+        raise ValueError(f"a held-out fraction must be in [0, 1), got {fraction}")
+    kept, held = [], []
+    for name in expression.split("+"):
+        n = sizes[name]
+        size = round(fraction * n)
+        if not size:
+            kept.append(name)
+            continue
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+        start = int(rng.integers(0, n - size + 1))
+        held.append(f"{name}[{start}:{start + size}]")
+        kept += [f"{name}[:{start}]"] * (start > 0) + [f"{name}[{start + size}:]"] * (
+            start + size < n
+        )
+    return "+".join(kept), "+".join(held)
 
 
 def detection_features(class_names: Sequence[str], several_domains: bool = False):

@@ -15,8 +15,10 @@ either, so the checkpoints restore as they are, as they do onto another mesh; th
 said when resuming, `resume_notes`, and recorded in the config the run saves).
 Every other field, including any a config adds later, is checked; a field added after
 workdirs were trained without it (`ADDED_FIELDS`) is compared as the value it then had.
-Whether EMA is on (`config.ema_decay` > 0) may not change at all, not even with
-allow_config_change: the EMA parameters are in the checkpoints or they are not.
+Model selection's fields (`config.selection`) are checked like the others: the validation
+slice and a left-out domain change what the run trains on, the oracle's fraction what its
+evaluations record. Whether EMA is on (`config.ema_decay` > 0) may not change at all, not even
+with allow_config_change: the EMA parameters are in the checkpoints or they are not.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ def _lookup(config: ml_collections.ConfigDict, path: str) -> tuple[bool, Any]:
 
 def check_numbers(config: ml_collections.ConfigDict) -> None:
     """Raises ValueError naming the first field of `_RULES` whose value is out of range, an
-    ema_decay of 1 or more, or a config.model.dtype that is no compute dtype."""
+    ema_decay of 1 or more, a config.model.dtype that is no compute dtype, or a model-selection
+    fraction (config.selection) that is no share of a split."""
     for path, (kind, low, inclusive) in _RULES.items():
         present, value = _lookup(config, path)
         if not present:
@@ -86,6 +89,15 @@ def check_numbers(config: ml_collections.ConfigDict) -> None:
         )
     if "model" in config:
         registry.compute_dtype(config.model)
+    fractions = {"val_fraction": (0.0, True), "oracle_fraction": (0.0, False)}
+    for field, (low, inclusive) in fractions.items():
+        present, value = _lookup(config, f"selection.{field}")
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if present and not (number and (low <= value if inclusive else low < value) and value < 1):
+            bound = "[0, 1)" if inclusive else "(0, 1)"
+            raise ValueError(
+                f"config.selection.{field}: must be a fraction in {bound}, got {value!r}"
+            )
 
 
 def ema_enabled(config: ml_collections.ConfigDict | dict) -> bool:
@@ -116,7 +128,14 @@ _ABSENT = object()
 
 # Fields added after workdirs were trained without them -> the value an older config.json that
 # lacks one stands for (what the trainer did before), so resuming those is no change.
-ADDED_FIELDS = {"ema_decay": 0.0, "ema_warmup": True, "model.dtype": "float32"}
+ADDED_FIELDS = {
+    "ema_decay": 0.0,
+    "ema_warmup": True,
+    "model.dtype": "float32",
+    "selection.val_fraction": 0.0,
+    "selection.oracle_fraction": 0.2,
+    "selection.leave_out": "",
+}
 
 # Free fields whose change still changes what the resumed steps compute -> what resuming says.
 NOTED_ON_RESUME = {

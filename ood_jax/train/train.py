@@ -26,6 +26,13 @@ A workdir keeps the config its checkpoints were trained with (config.json); `tra
 is moved aside and the next older one used (`checkpoint.Checkpointer.restore_newest`). Ctrl-C
 in training saves the step it stopped at and says how to continue.
 
+Training also keeps WORKDIR/evaluations.json: every `config.eval_every` steps and at its last
+step, the COCO numbers of every evaluated split, including the ones model selection adds
+(`config.selection`: a validation slice of the training images, a left-out training domain) and
+the oracle's (selection.py). Model selection (`ood-jax sweep`, sweep.py) chooses among them.
+An evaluation is recorded before the checkpoint of its step is saved, so a resumed run has the
+records of every step up to the one it resumes from, and recomputes the ones after it.
+
 Both write WORKDIR/manifest.json (ood_jax.manifest) when they start and when they end, however
 they end: the config's digest, the dataset build (name, config, version, splits, a digest of its
 metadata and file sizes), jax's devices, and at the end the checkpoint (step and a digest of its
@@ -62,7 +69,7 @@ from ood_jax.data import counts, pipeline
 from ood_jax.detection import evaluation
 from ood_jax.metrics import coco
 from ood_jax.models import backbones, registry
-from ood_jax.train import checkpoint, config_checks, optim, pretrain
+from ood_jax.train import checkpoint, config_checks, optim, pretrain, selection
 
 
 @flax.struct.dataclass
@@ -114,16 +121,24 @@ def load_builder(config: ml_collections.ConfigDict) -> tfds.core.DatasetBuilder:
 
 
 def experiment_splits(
-    config: ml_collections.ConfigDict, builder: tfds.core.DatasetBuilder
+    config: ml_collections.ConfigDict,
+    builder: tfds.core.DatasetBuilder,
+    model_selection: ml_collections.ConfigDict | None = None,
+    seed: int = 0,
 ) -> dict[str, str]:
     """{"train", "iid", <each held-out domain>} -> TFDS split expressions over the build's
-    splits (an image of several domains trains only if none is held out)."""
-    return counts.held_out_split_expressions(
+    splits (an image of several domains trains only if none is held out) of `config`
+    (config.dataset); with `model_selection` (config.selection), "train" without the images
+    it holds out and those as its own splits (`selection.selection_splits`, seeded by `seed`)."""
+    splits = counts.held_out_split_expressions(
         builder.info.splits.keys(),
         config.target_domains,
         train_split=config.train_split,
         test_split=config.test_split,
     )
+    if model_selection is None:
+        return splits
+    return selection.selection_splits(splits, builder, config, model_selection, seed)
 
 
 def _is_primary() -> bool:
@@ -370,7 +385,7 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> Experimen
 
     mesh = sharding.make_mesh(config.mesh)
     builder = load_builder(config.dataset)
-    splits = experiment_splits(config.dataset, builder)
+    splits = experiment_splits(config.dataset, builder, config.get("selection"), config.seed)
     num_train = builder.info.splits[splits["train"]].num_examples
     steps_per_epoch = num_train / config.input.batch_size
     layout = build_layout(config, mesh, steps_per_epoch)
@@ -432,23 +447,24 @@ def pretrain_stage(config: ml_collections.ConfigDict, workdir: str | pathlib.Pat
     workdir.mkdir(parents=True, exist_ok=True)
     tf.config.set_visible_devices([], "GPU")
     builder = load_builder(config.dataset)
-    return pretrain.pretrain_backbone(
-        config, builder, experiment_splits(config.dataset, builder)["train"], out
-    )
+    splits = experiment_splits(config.dataset, builder, config.get("selection"), config.seed)
+    return pretrain.pretrain_backbone(config, builder, splits["train"], out)
 
 
-def ground_truths(config, experiment: Experiment) -> dict[str, coco.GroundTruth]:
-    """COCO ground truth of every evaluated split ("iid" and each held-out domain), read once."""
+def ground_truths(experiment: Experiment) -> dict[str, coco.GroundTruth]:
+    """COCO ground truth of every evaluated split ("iid", each held-out domain and model
+    selection's), read once."""
     return {
-        name: evaluation.coco_ground_truth(experiment.builder, experiment.splits[name])
-        for name in ("iid", *(counts.canonical_domain(d) for d in config.dataset.target_domains))
+        name: evaluation.coco_ground_truth(experiment.builder, split)
+        for name, split in experiment.splits.items()
+        if name != "train"
     }
 
 
 def evaluate_all(
     config, experiment: Experiment, state, ground_truth: Mapping[str, coco.GroundTruth]
-) -> dict[str, Any]:
-    """COCO numbers on the in-domain test split and on each held-out domain."""
+) -> dict[str, coco.CocoEvalResult]:
+    """COCO evaluation on each split of `ground_truth`."""
     eval_input = ml_collections.ConfigDict(config.input.to_dict())
     eval_input.batch_size = config.eval_batch_size
 
@@ -463,9 +479,15 @@ def evaluate_all(
             name=name,
         )
 
-    iid = run("iid")
-    per_domain = {name: run(name) for name in ground_truth if name != "iid"}
-    return evaluation.summarize(int(state.step), iid, per_domain)
+    return {name: run(name) for name in ground_truth}
+
+
+def summarize(step: int, evaluated: Mapping[str, coco.CocoEvalResult]) -> dict[str, Any]:
+    """results.json's content (`evaluation.summarize`): in-domain and each held-out domain."""
+    per_domain = {
+        name: r for name, r in evaluated.items() if name != "iid" and name not in selection.SPLITS
+    }
+    return evaluation.summarize(step, evaluated["iid"], per_domain)
 
 
 def check_workdir_config(
@@ -673,7 +695,19 @@ def _train_and_evaluate(
         experiment.data_sharding,
         host_keys=pipeline.HOST_ONLY_KEYS,
     )
-    ground_truth = ground_truths(config, experiment)
+    ground_truth = ground_truths(experiment)
+    # Records after the resumed step are recomputed below (a fresh run has none to keep); a
+    # finished run resumed at its last step evaluates that step again, replacing its record.
+    evaluations = {
+        r["step"]: r for r in selection.read_evaluations(workdir) if r["step"] <= start_step
+    }
+
+    def record_evaluation(step: int, evaluated: Mapping[str, coco.CocoEvalResult]) -> None:
+        evaluations[step] = selection.evaluation_record(
+            step, evaluated, config.get("selection"), config.seed
+        )
+        if _is_primary():
+            selection.write_evaluations(workdir, list(evaluations.values()))
 
     step_fn = CompiledOnFirstCall(jit_train_step(config, experiment), "train step")
     report = periodic_actions.ReportProgress(
@@ -723,11 +757,13 @@ def _train_and_evaluate(
                         flush=True,
                     )
 
-            ckpt.save(step, state, meta, force=step == config.total_steps)
-
+            # Before the step's checkpoint: a run resumed from it has its evaluation.
             if config.eval_every and step % config.eval_every == 0 and step != config.total_steps:
-                results = evaluate_all(config, experiment, state, ground_truth)
-                writer.write_scalars(step, {"eval/iid_AP": results["iid"]["AP"]})
+                evaluated = evaluate_all(config, experiment, state, ground_truth)
+                record_evaluation(step, evaluated)
+                writer.write_scalars(step, {"eval/iid_AP": evaluated["iid"].stats["AP"]})
+
+            ckpt.save(step, state, meta, force=step == config.total_steps)
     except KeyboardInterrupt:
         raise KeyboardInterrupt(keep_on_interrupt(ckpt, state, meta, workdir)) from None
     ckpt.wait()
@@ -739,12 +775,14 @@ def _train_and_evaluate(
     # Final evaluation.
     # ----------------------------------------------------------------------------------------
     try:
-        results = evaluate_all(config, experiment, state, ground_truth)
+        evaluated = evaluate_all(config, experiment, state, ground_truth)
     except KeyboardInterrupt:
         raise KeyboardInterrupt(
             f"checkpoint at step {int(state.step)} kept in {workdir}, not yet evaluated; rerun "
             "the same command to evaluate it"
         ) from None
+    record_evaluation(int(state.step), evaluated)
+    results = summarize(int(state.step), evaluated)
     if _is_primary():
         evaluation.write_results(workdir, results, config.model_name)
         writer.write_scalars(
@@ -769,9 +807,8 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         )
     started = start_manifest("evaluate", config, experiment)
     with manifest.recording(workdir, started, enabled=_is_primary()) as record:
-        results = evaluate_all(
-            config, experiment, restored.state, ground_truths(config, experiment)
-        )
+        evaluated = evaluate_all(config, experiment, restored.state, ground_truths(experiment))
+        results = summarize(restored.step, evaluated)
         if _is_primary():
             evaluation.write_results(workdir, results, config.model_name)
             record.update(end_manifest(config, workdir, ckpt, results))
