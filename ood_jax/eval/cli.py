@@ -25,9 +25,13 @@ import sys
 
 from ood_jax import help_text
 from ood_jax.eval import clients, interleaving, judge, probe, rescore, runner, tasks
+from ood_jax.eval.tasks import corrupted, foci, oodbench
+from ood_jax.metrics import robustness
 from ood_jax.stats import cli as stats_cli
 
 
+# The tasks whose items `--corrupted` asks over a corrupted dataset.
+_CORRUPTED = ("foci", "oodbench")
 EXIT_INCOMPLETE = 3
 EXIT_STOPPED = 4
 EXIT_CODES = (
@@ -120,6 +124,9 @@ def _add_eval_mllm(subparsers) -> None:
             "http://127.0.0.1:8000/v1 \\\n      --model Qwen/Qwen2-VL-7B-Instruct --output "
             "runs/foci_qwen --parse-mode judge \\\n      --judge-endpoint "
             "http://127.0.0.1:8001/v1 --judge-model Qwen/Qwen2.5-7B-Instruct",
+            "ood-jax eval-mllm foci --data-dir data/tfds --corrupted "
+            "corrupted/foci-food101-9bfccb7c34 \\\n      --endpoint http://127.0.0.1:8000/v1 "
+            "--model Qwen/Qwen2-VL-7B-Instruct --output runs/foci_qwen_corrupted",
         )
         + "\n\n"
         + EXIT_CODES,
@@ -133,6 +140,14 @@ def _add_eval_mllm(subparsers) -> None:
         "oodbench: default / bap",
     )
     p.add_argument("--items", help="counts-oodg: the items.jsonl written by `ood-jax mine oodg`")
+    p.add_argument(
+        "--corrupted",
+        metavar="corrupted/NAME",
+        help="foci, oodbench: ask the items of this corrupted dataset in --data-dir (`ood-jax "
+        "build corrupted` of a foci config or oodbench/default), clean and under each "
+        "corruption and severity; results add the score per corruption, and OUTPUT gets "
+        "corruptions.json (mPC, rPC) for `ood-jax report`. Part of the run's identity",
+    )
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument(
         "--endpoint", help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1"
@@ -375,6 +390,8 @@ def _check_eval_arguments(args: argparse.Namespace) -> None:
         raise _fail("--parse-mode judge needs --judge-endpoint and --judge-model")
     if args.judge_endpoint and args.clip:
         raise _fail("--clip answers with letters: it needs no judge")
+    if args.parse_mode and args.clip:
+        raise _fail("--clip answers with the letter itself: every --parse-mode reads it alike")
     args.extra_body = _extra_body(args.extra_body)
     if not args.endpoint:
         for flag, given in (
@@ -491,16 +508,7 @@ def _make_judge(args: argparse.Namespace) -> judge.Judge | None:
 def run_eval_mllm(args: argparse.Namespace) -> dict:
     _check_eval_arguments(args)
     try:
-        benchmark = tasks.make_benchmark(
-            args.benchmark,
-            data_dir=args.data_dir,
-            config=args.config,
-            items=args.items,
-            setting=args.setting,
-            ice=args.ice,
-            task=args.task,
-            circular=args.circular,
-        )
+        benchmark = _make_benchmark(args)
     except ValueError as e:
         raise _fail(str(e)) from None
     if args.parse_mode and args.parse_mode not in benchmark.parse_modes:
@@ -550,6 +558,9 @@ def run_eval_mllm(args: argparse.Namespace) -> dict:
     output = pathlib.Path(args.output)
     json_name, md_name = runner.results_files(results.get("limit"))
     print((output / md_name).read_text())
+    # A --limit run's numbers are a subset's: they never replace the run's corruptions.json.
+    if "limit" not in results and corrupted.write_robustness(output, results):
+        print(f"mPC and rPC -> {output / robustness.FILE}", file=sys.stderr)
     if "limit" in results:
         full = output / runner.RESULTS_JSON
         rest = (
@@ -581,6 +592,36 @@ def run_eval_mllm(args: argparse.Namespace) -> dict:
             )
         raise SystemExit(EXIT_INCOMPLETE)
     return results
+
+
+def _make_benchmark(args: argparse.Namespace) -> tasks.Benchmark:
+    """The task's benchmark, over the --corrupted dataset's items when one is given."""
+    if not args.corrupted:
+        return tasks.make_benchmark(
+            args.benchmark,
+            data_dir=args.data_dir,
+            config=args.config,
+            items=args.items,
+            setting=args.setting,
+            ice=args.ice,
+            task=args.task,
+            circular=args.circular,
+        )
+    if args.benchmark not in _CORRUPTED:
+        raise ValueError(f"--corrupted applies to {' and '.join(_CORRUPTED)} only")
+    for flag, value in (("--ice", args.ice), ("--task", args.task), ("--items", args.items)):
+        if value is not None:
+            raise ValueError(f"{flag} applies to counts-oodg only")
+    if args.data_dir is None:
+        raise ValueError("--corrupted names a dataset in --data-dir: pass --data-dir")
+    if args.config is not None:
+        raise ValueError("--corrupted asks the one dataset it was built from: drop --config")
+    if args.benchmark == "foci":
+        if args.setting is not None:
+            raise ValueError("foci has no settings (see --parse-mode)")
+        return foci.CorruptedFoci(args.data_dir, args.corrupted, args.circular)
+    setting = args.setting or "plain"
+    return oodbench.CorruptedOodBench(args.data_dir, args.corrupted, setting, args.circular)
 
 
 def _interleaving_warnings(args: argparse.Namespace, benchmark: tasks.Benchmark) -> list[str]:
@@ -646,7 +687,6 @@ def _run_clip(args: argparse.Namespace, benchmark: tasks.Benchmark, progress: bo
         batch_size=args.batch_size,
         limit=args.limit,
         progress=progress,
-        parse_mode=args.parse_mode,
     )
 
 

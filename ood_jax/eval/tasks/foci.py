@@ -33,13 +33,13 @@ import numpy as np
 
 from ood_jax import prompts
 from ood_jax.eval.tasks import circular as circular_eval
+from ood_jax.eval.tasks import corrupted
 from ood_jax.eval.tasks.base import (
     CI_LABEL,
     INTERVALS_NOTE,
     PARSE_MODES,
     Benchmark,
     Item,
-    Scoring,
     answer_summary,
     built_configs,
     dataset_dir,
@@ -53,10 +53,14 @@ from ood_jax.eval.tasks.base import (
 )
 
 
-class FociScoring(Scoring):
-    """FOCI's reading of replies and its Table 2, from prediction records alone."""
+class FociScoring(corrupted.ByCorruption):
+    """FOCI's reading of replies and its Table 2, from prediction records alone (and per
+    corruption for a corrupted run: tasks/corrupted.py)."""
 
     name = "foci"
+    # Under corruption: the accuracy over every item, the split asked being test.
+    corruption_metric = "accuracy"
+    corruption_headline = "test"
     parse_modes = PARSE_MODES
     parse_mode = "foci"
     # The rotations each item is asked under (tasks/circular.py); None: a plain run.
@@ -80,7 +84,10 @@ class FociScoring(Scoring):
     def headline(self, records: Sequence[dict]) -> tuple[str, int, int]:
         return "accuracy", sum(bool(r["correct"]) for r in records), len(records)
 
-    def results(self, records: Sequence[dict]) -> dict:
+    def corruption_scores(self, results: dict) -> dict[str, tuple[float, list | None]]:
+        return {"test": (results["accuracy"], results["accuracy_ci"])}
+
+    def plain_results(self, records: Sequence[dict]) -> dict:
         out = answer_summary(records)
         per_dataset = {
             k: answer_summary(v) for k, v in sorted(group_by(records, "dataset").items())
@@ -112,7 +119,7 @@ class FociScoring(Scoring):
             "all_items": summary(records),
         }
 
-    def markdown(self, results: dict) -> str:
+    def plain_markdown(self, results: dict) -> str:
         per_dataset = results.get("per_dataset", {})
         rows = [
             [
@@ -267,17 +274,30 @@ class Foci(FociScoring, Benchmark):
         for config, directory in self.directories.items():
             splits = other_splits(directory)
             for _, record in tfds_records(directory, ["test"]):
-                filename = text(record["image/filename"])
-                meta = {
-                    "dataset": config,
-                    "options": [text(o) for o in record["options"]],
-                    "answer": int(record["answer"]),
-                    "label": text(record["label"]),
-                    **({SPLIT: splits[filename]} if filename in splits else {}),
-                }
-                yield from self.asked(
-                    f"{config}/{filename}", text(record["dataset"]), meta, record["image"]
-                )
+                yield from self.record_items(config, record, splits)
+
+    def record_items(
+        self,
+        config: str,
+        record: dict,
+        splits: dict[str, str],
+        id_prefix: str = "",
+        tags: dict | None = None,
+    ) -> Iterator[Item]:
+        """The items a test record of `config` is asked as; `splits`: other_splits' tags;
+        `id_prefix` and `tags` mark a corrupted copy's items (tasks/corrupted.py)."""
+        filename = text(record["image/filename"])
+        meta = {
+            "dataset": config,
+            "options": [text(o) for o in record["options"]],
+            "answer": int(record["answer"]),
+            "label": text(record["label"]),
+            **({SPLIT: splits[filename]} if filename in splits else {}),
+            **(tags or {}),
+        }
+        yield from self.asked(
+            f"{id_prefix}{config}/{filename}", text(record["dataset"]), meta, record["image"]
+        )
 
     def asked(self, item_id: str, dataset: str, meta: dict, image: bytes) -> Iterator[Item]:
         """The items question `item_id` is asked as: itself, or each rotation of its options.
@@ -292,3 +312,20 @@ class Foci(FociScoring, Benchmark):
             }
             question = prompts.foci_multiple_choice(dataset, options)
             yield Item(rotation.id, image_request(question, image, rotation.id), rotated)
+
+
+class CorruptedFoci(corrupted.CorruptedItems, Foci):
+    """FOCI over a corrupted copy of one foci config (`--corrupted corrupted/NAME`): its test
+    records clean and under each corruption and severity (tasks/corrupted.py). Items are not
+    tagged with the source's other splits (ImageNet-1k's halves, GeoDE's regions)."""
+
+    def __init__(self, data_dir: str, dataset: str, circular: int | None = None):
+        FociScoring.__init__(self, circular)
+        self.build = corrupted.read_build(data_dir, dataset, self.name, ["test"])
+        self.directory = self.build.directory
+        self.config = self.build.source.partition("/")[2]
+
+    def variant_items(
+        self, source: str, record: dict, id_prefix: str, tags: dict
+    ) -> Iterator[Item]:
+        return self.record_items(self.config, record, {}, id_prefix, tags)

@@ -30,6 +30,7 @@ import numpy as np
 from ood_jax import prompts
 from ood_jax.eval import parsing
 from ood_jax.eval.tasks import circular as circular_eval
+from ood_jax.eval.tasks import corrupted
 from ood_jax.eval.tasks.base import (
     CI_LABEL,
     INTERVALS_NOTE,
@@ -121,9 +122,11 @@ def bap_results(records: Sequence[dict]) -> dict:
 
 
 def _instance_of(record: dict) -> tuple:
-    # A question and its negation ask about the same category in the same image.
+    # A question and its negation ask about the same category in the same image (and, in a
+    # corrupted run, under the same corruption: tasks/corrupted.py).
     meta = record["meta"]
-    return meta["split"], meta["image_id"], meta["category"]
+    variant = meta.get(corrupted.CORRUPTION), meta.get(corrupted.SEVERITY)
+    return meta["split"], meta["image_id"], meta["category"], *variant
 
 
 def _listed_at(record: dict, verdict: bool) -> int:
@@ -221,11 +224,17 @@ def _points(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:+.2f}"
 
 
-class OodBenchScoring(Scoring):
+class OodBenchScoring(corrupted.ByCorruption):
     """OODBench's reading of yes/no replies (the leading word, or with `setting="cot"` the
-    verdict at the end) and its main table, from prediction records alone."""
+    verdict at the end) and its main table, from prediction records alone (and per corruption
+    for a corrupted run: tasks/corrupted.py)."""
 
     name = "oodbench"
+    # Under corruption: F1 per split, the paper's headline metric; corruptions.json holds ID's,
+    # where the corruption is the only shift (as a detector's holds its in-domain split's),
+    # corruptions/{ood_s,ood_h}.json the shifted splits'.
+    corruption_metric = "F1"
+    corruption_headline = "id"
     # The answer orders each question is asked in (tasks/circular.py); None: a plain run.
     circular: int | None = None
 
@@ -247,13 +256,17 @@ class OodBenchScoring(Scoring):
         parsed = read(reply)
         return parsed, parsed is not None and parsed == meta["answer"]
 
-    def results(self, records: Sequence[dict]) -> dict:
+    def corruption_scores(self, results: dict) -> dict[str, tuple[float, list | None]]:
+        # F1 is no proportion of items: it has no binomial interval.
+        return {split: (r["f1"], None) for split, r in results["splits"].items()}
+
+    def plain_results(self, records: Sequence[dict]) -> dict:
         out = {"setting": self.setting, **yes_no_results(records)}
         if self.circular:
             out["circular_eval"] = circular_yes_no_results(records, self.circular)
         return out
 
-    def markdown(self, results: dict) -> str:
+    def plain_markdown(self, results: dict) -> str:
         rows = [
             [
                 OODBENCH_SPLITS[s],
@@ -277,8 +290,6 @@ class OodBenchScoring(Scoring):
 class OodBench(OodBenchScoring, Benchmark):
     """OODBench's yes/no questions; `setting="cot"` asks them with the paper's CoT wording."""
 
-    default_max_tokens = 16
-
     def __init__(
         self,
         data_dir: str,
@@ -288,9 +299,11 @@ class OodBench(OodBenchScoring, Benchmark):
     ):
         super().__init__(setting, circular)
         self.directory = dataset_dir(data_dir, "oodbench", config)
-        if setting == "cot":
-            # Step-by-step answers need room before the verdict.
-            self.default_max_tokens = 512
+
+    @property
+    def default_max_tokens(self) -> int:
+        # Step-by-step answers need room before the verdict.
+        return 512 if self.setting == "cot" else 16
 
     def count(self) -> int:
         questions = split_sizes(self.directory, list(OODBENCH_SPLITS))
@@ -298,25 +311,33 @@ class OodBench(OodBenchScoring, Benchmark):
 
     def items(self) -> Iterator[Item]:
         for split, record in tfds_records(self.directory, list(OODBENCH_SPLITS)):
-            category, kind = text(record["category"]), text(record["kind"])
-            image_id = int(record["image/id"])
-            if self.setting == "cot":
-                question = prompts.oodbench_question(
-                    _category_text(category),
-                    negated=kind.startswith("negated"),
-                    chain_of_thought=True,
-                )
-            else:
-                question = text(record["question"])
-            item_id = f"{split}/{image_id}/{category}/{kind}"
-            meta = {
-                "split": split,
-                "answer": bool(record["answer"]),
-                "category": category,
-                "kind": kind,
-                "image_id": image_id,
-            }
-            yield from self.asked(item_id, question, meta, record["image"])
+            yield from self.record_items(split, record)
+
+    def record_items(
+        self, split: str, record: dict, id_prefix: str = "", tags: dict | None = None
+    ) -> Iterator[Item]:
+        """The items a record of `split` is asked as; `id_prefix` and `tags` mark a corrupted
+        copy's items (tasks/corrupted.py)."""
+        category, kind = text(record["category"]), text(record["kind"])
+        image_id = int(record["image/id"])
+        if self.setting == "cot":
+            question = prompts.oodbench_question(
+                _category_text(category),
+                negated=kind.startswith("negated"),
+                chain_of_thought=True,
+            )
+        else:
+            question = text(record["question"])
+        item_id = f"{id_prefix}{split}/{image_id}/{category}/{kind}"
+        meta = {
+            "split": split,
+            "answer": bool(record["answer"]),
+            "category": category,
+            "kind": kind,
+            "image_id": image_id,
+            **(tags or {}),
+        }
+        yield from self.asked(item_id, question, meta, record["image"])
 
     def asked(self, item_id: str, question: str, meta: dict, image: bytes) -> Iterator[Item]:
         """The items question `item_id` is asked as: itself, or in each order of its answers."""
@@ -329,6 +350,27 @@ class OodBench(OodBenchScoring, Benchmark):
                     raise ItemsError(f"{self.directory}: item {item_id!r}: {e}") from None
             tagged = {**meta, **rotation.tags}
             yield Item(rotation.id, image_request(prompt, image, rotation.id), tagged)
+
+
+class CorruptedOodBench(corrupted.CorruptedItems, OodBench):
+    """OODBench's yes/no questions over a corrupted copy of its ID, OOD-S and OOD-H splits
+    (`--corrupted corrupted/NAME`; tasks/corrupted.py)."""
+
+    def __init__(
+        self, data_dir: str, dataset: str, setting: str = "plain", circular: int | None = None
+    ):
+        OodBenchScoring.__init__(self, setting, circular)
+        self.build = corrupted.read_build(data_dir, dataset, self.name, list(OODBENCH_SPLITS))
+        if self.build.source == "oodbench/bap":
+            raise ItemsError(
+                f"--corrupted {dataset}: built from oodbench/bap, not yes/no questions"
+            )
+        self.directory = self.build.directory
+
+    def variant_items(
+        self, source: str, record: dict, id_prefix: str, tags: dict
+    ) -> Iterator[Item]:
+        return self.record_items(source, record, id_prefix, tags)
 
 
 class OodBenchBapScoring(Scoring):
