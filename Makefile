@@ -22,7 +22,7 @@ demo: $(VENV)/.runtime
 	$(BIN)/ood-jax demo
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 bench: $(VENV)/.installed
 	$(BIN)/python bench/coco_eval.py

@@ -269,8 +269,7 @@ def test_an_exported_model_computes_in_its_runs_dtype(tmp_path):
     layout = train.build_layout(config, sharding.make_mesh(config.mesh), steps_per_epoch=10.0)
     variables = {"params": layout.abstract_state.params, **layout.abstract_state.model_state}
     variables = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), variables)
-    path = exported.write_exported(
-        tmp_path / "model.msgpack",
+    payload = exported.make_payload(
         model_config=config.model.to_dict(),
         input_config=config.input.to_dict(),
         mean=pipeline.IMAGENET_MEAN,
@@ -280,6 +279,6 @@ def test_an_exported_model_computes_in_its_runs_dtype(tmp_path):
         step=0,
         model_name=None,
     )
-    model = load_exported(path)
+    model = load_exported(exported.write_exported(tmp_path / "model.msgpack", payload))
     assert model.module.dtype == jnp.bfloat16
     assert floating_dtypes(model.variables) == {"float32"}

@@ -176,6 +176,40 @@ def run_foci(args: argparse.Namespace, scorer_factory: ScorerFactory | None = No
     )
 
 
+FOCI_ZERO_SHOT_EXAMPLE = (
+    "ood-jax mine foci-zero-shot --data-dir data/tfds \\\n"
+    "      --dataset corrupted/foci-food101-1a2b3c4d5e --scorer models/clip-vit-l14 \\\n"
+    "      --out work/food101_zero_shot"
+)
+
+
+def run_foci_zero_shot(
+    args: argparse.Namespace, scorer_factory: ScorerFactory | None = None
+) -> None:
+    from ood_jax.mining import zero_shot
+
+    try:
+        target = zero_shot.read_target(args.data_dir, args.dataset)
+    except ValueError as e:
+        raise _fail(e) from None
+    dataset = {**manifest.tfds_dataset(target.builder), "source": target.source}
+    record = _start_manifest("foci-zero-shot", args, devices=True, dataset=dataset)
+    with _recording(args.out, record, directory=True):
+        try:
+            scorer = _load_scorer(scorer_factory, args.scorer)
+            record["scorers"] = [_scorer_manifest(args.scorer, scorer)]
+            results = zero_shot.evaluate(
+                scorer, target, args.dataset, args.templates, args.batch_size, args.chunk_size,
+                progress=not args.quiet,
+            )  # fmt: skip
+        except ValueError as e:
+            raise _fail(e) from None
+        written = zero_shot.write(args.out, results)
+        record["outputs"] = [_output(path) for path in written]
+    print(written[1].read_text(), end="")
+    print(f"-> {args.out}")
+
+
 def _scorer_names(paths: list[str]) -> list[str]:
     names = []
     for path in paths:
@@ -426,13 +460,15 @@ def _oodg_plan(args: argparse.Namespace, oodg: Any, builder: Any, test_records: 
 def add_parsers(subparsers) -> None:
     """Adds `mine` with its sub-subcommands foci, oodbench and oodg to an ood-jax parser."""
     from ood_jax import mining
-    from ood_jax.mining import foci, oodbench, oodg
+    from ood_jax.mining import foci, oodbench, oodg, zero_shot
 
     mine = subparsers.add_parser(
         "mine",
         help="mine FOCI options, OODBench splits, OODG items",
         description="Mining: the files the foci and oodbench builders and eval-mllm read.",
-        epilog=help_text.examples(FOCI_EXAMPLE, OODBENCH_EXAMPLE, ABLATION_EXAMPLE, OODG_EXAMPLE),
+        epilog=help_text.examples(
+            FOCI_EXAMPLE, FOCI_ZERO_SHOT_EXAMPLE, OODBENCH_EXAMPLE, ABLATION_EXAMPLE, OODG_EXAMPLE
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = mine.add_subparsers(dest="mine_command", required=True)
@@ -464,6 +500,32 @@ def add_parsers(subparsers) -> None:
     )
     _add_common(p, mining.DEFAULT_CHUNK_SIZE)
     p.set_defaults(run=run_foci)
+
+    p = sub.add_parser(
+        "foci-zero-shot",
+        help="a scorer's zero-shot and 4-way accuracy per split of a foci or corrupted build",
+        description=zero_shot.__doc__,
+        epilog=help_text.examples(FOCI_ZERO_SHOT_EXAMPLE),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--data-dir", required=True, help="TFDS data directory holding the build")
+    p.add_argument(
+        "--dataset", required=True, help="foci/CONFIG, or corrupted/NAME built from a foci config"
+    )
+    p.add_argument("--scorer", required=True, help="scorer checkpoint directory (ood_jax.scorers)")
+    p.add_argument("--out", required=True, help="run directory (zero_shot.json, corruptions.json)")
+    p.add_argument(
+        "--templates",
+        nargs="+",
+        default=list(foci.DEFAULT_TEMPLATES),
+        help="class text templates, averaged (default: FOCI's 'an image of a {}')",
+    )
+    p.add_argument("--batch-size", type=int, default=256, help="images encoded per batch")
+    p.add_argument(
+        "--chunk-size", type=int, default=mining.DEFAULT_CHUNK_SIZE, help="images per jitted step"
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=run_foci_zero_shot)
 
     p = sub.add_parser(
         "oodbench",
