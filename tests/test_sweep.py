@@ -33,7 +33,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG_FILE = REPO / "configs" / "synthetic_detr.py"
 SEEDS = (0, 1)
 TARGETS = ("sky", "dim")  # 12 training domains, 2 targets: few evaluation passes per step
-LEFT_OUT = ("painting", "snow")
+LEFT_OUT = ("snow",)  # one left-out run per seed: the rule over several is tested on records
 STEPS = 2
 
 
