@@ -114,8 +114,10 @@ def _mining_topk():
 
 def main() -> None:
     args = _parse_args()
-    # torch before anything that may pull in TensorFlow (triton crashes after TF's libraries).
+    # torch, and the triton its compiler loads, before anything that may pull in TensorFlow
+    # (ood_jax.scorers does): triton crashes when its library loads after TF's.
     import torch
+    import torch._dynamo  # noqa: F401
     import transformers
 
     torch_threads = args.torch_threads or os.cpu_count()
