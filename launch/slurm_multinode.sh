@@ -61,19 +61,10 @@ for arg in "$@"; do
 done
 
 cd "${SLURM_SUBMIT_DIR:?}"
-if [[ ! -f ${config%%:*} ]]; then
-    echo "error: config file ${config%%:*} not found under $PWD" >&2
-    exit 2
-fi
-venv=${VENV:-$PWD/.venv}
-if [[ -f $venv/bin/activate ]]; then
-    # shellcheck disable=SC1091
-    . "$venv/bin/activate"
-fi
-command -v ood-jax >/dev/null || {
-    echo "error: ood-jax not on PATH (set VENV or install the package)" >&2
-    exit 1
-}
+# sbatch runs a copy of this script from its spool directory: the checkout is the submit dir.
+# shellcheck source=launch/env.sh
+. launch/env.sh
+ood_jax_env "$config"
 
 mkdir -p "$workdir"
 echo "job $SLURM_JOB_ID: $SLURM_JOB_NUM_NODES nodes ($SLURM_JOB_NODELIST), $SLURM_NTASKS processes"

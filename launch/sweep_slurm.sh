@@ -54,19 +54,9 @@ for arg in "$@"; do
             ;;
     esac
 done
-if [[ ! -f ${config%%:*} ]]; then
-    echo "error: config file ${config%%:*} not found under $PWD" >&2
-    exit 2
-fi
-venv=${VENV:-$PWD/.venv}
-if [[ -f $venv/bin/activate ]]; then
-    # shellcheck disable=SC1091
-    . "$venv/bin/activate"
-fi
-command -v ood-jax >/dev/null || {
-    echo "error: ood-jax not on PATH (set VENV or install the package)" >&2
-    exit 1
-}
+# shellcheck source=launch/env.sh
+. "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+ood_jax_env "$config"
 if [[ -z ${DRY_RUN:-} ]] && ! command -v sbatch >/dev/null; then
     echo "error: no sbatch here; run this on a SLURM login node (DRY_RUN=1 shows the commands)" >&2
     exit 1
