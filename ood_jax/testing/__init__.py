@@ -1,1 +1,2 @@
-"""Generators shared by tests and benches (random COCO cases)."""
+"""Helpers shared by tests and benches: random COCO cases (`coco_cases`), tiny random-weight VLMs
+(`tiny_vlms`), and a reader of built datasets in a process without ood_jax (`plain_tfds`)."""
