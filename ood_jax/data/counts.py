@@ -158,9 +158,10 @@ def hold_out_windows(
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
         start = int(rng.integers(0, n - size + 1))
         held.append(f"{name}[{start}:{start + size}]")
-        kept += [f"{name}[:{start}]"] * (start > 0) + [f"{name}[{start + size}:]"] * (
-            start + size < n
-        )
+        if start > 0:
+            kept.append(f"{name}[:{start}]")
+        if start + size < n:
+            kept.append(f"{name}[{start + size}:]")
     return "+".join(kept), "+".join(held)
 
 
