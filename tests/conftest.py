@@ -6,6 +6,7 @@ import timm  # noqa: F401
 import torchvision  # noqa: F401
 
 import contextlib  # noqa: E402
+import shutil  # noqa: E402
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -29,3 +30,17 @@ def compile_cache(tmp_path_factory):
         from jax._src import compilation_cache
 
         compilation_cache.reset_cache()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def module_temp_dirs_removed(request, tmp_path_factory):
+    """Removes what a module's fixtures made with tmp_path_factory once the module is done, unless
+    one of its tests failed: pytest's retention policy only reaches per-test tmp_path, and the
+    training runs module fixtures keep would otherwise fill a CI disk by the end of the suite."""
+    base = tmp_path_factory.getbasetemp()
+    before = set(base.iterdir())
+    failed_before = request.session.testsfailed
+    yield
+    if request.session.testsfailed == failed_before:
+        for path in set(base.iterdir()) - before:
+            shutil.rmtree(path, ignore_errors=True)
