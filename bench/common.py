@@ -5,6 +5,7 @@ Scripts in bench/ run as `python bench/X.py`, so this module is imported as `com
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -80,3 +81,157 @@ def torch_adamw(model, lr: float, backbone_lr: float, weight_decay: float):
         weight_decay=weight_decay,
     )
     return optimizer, [p for _, p in trainable]
+
+
+# --------------------------------------------------------------------------------------------
+# device figures: FLOPs, MFU and memory of a compiled step
+# --------------------------------------------------------------------------------------------
+
+# Dense (no sparsity) peak TFLOP/s of one chip, keyed by a substring of JAX's `device_kind`
+# ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "TPU v4", "TPU v5 lite",
+# "TPU v5p" / "TPU v5", "TPU v6 lite"); the first matching key wins, so the more specific ones
+# come first ("NVIDIA GH200 480GB" matches "H200": its GPU has the H100 SXM's peaks). NVIDIA
+# figures are the SXM parts' datasheet numbers; the float32 entry is the TF32 tensor-core peak,
+# because XLA on GPU runs float32 matmuls and convolutions in TF32 by default
+# (jax_default_matmul_precision). TPUs run float32 matmuls as bfloat16 passes, so both
+# dtypes get the bfloat16 peak. `PEAK_TFLOPS` in the environment overrides the table.
+PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("H100 PCIe", {"bfloat16": 756.0, "float32": 378.0}),
+    ("H100 NVL", {"bfloat16": 835.0, "float32": 418.0}),
+    ("H200", {"bfloat16": 989.0, "float32": 494.0}),
+    ("H100", {"bfloat16": 989.0, "float32": 494.0}),
+    ("A100", {"bfloat16": 312.0, "float32": 156.0}),
+    ("TPU v4", {"bfloat16": 275.0, "float32": 275.0}),
+    ("TPU v5 lite", {"bfloat16": 197.0, "float32": 197.0}),
+    ("TPU v5e", {"bfloat16": 197.0, "float32": 197.0}),
+    ("TPU v5", {"bfloat16": 459.0, "float32": 459.0}),  # v5p ("TPU v5p" or "TPU v5")
+    ("TPU v6 lite", {"bfloat16": 918.0, "float32": 918.0}),
+    ("TPU v6e", {"bfloat16": 918.0, "float32": 918.0}),
+)
+
+
+def peak_tflops(device_kind: str, dtype: str) -> tuple[float | None, str]:
+    """(Dense peak TFLOP/s, where it comes from) for `dtype` ("float32" or "bfloat16") on a
+    `device_kind`: `PEAK_TFLOPS` from the environment if set, else the table, else None."""
+    override = os.environ.get("PEAK_TFLOPS")
+    if override:
+        try:
+            return float(override), "PEAK_TFLOPS"
+        except ValueError:
+            raise SystemExit(f"PEAK_TFLOPS={override!r} is not a number") from None
+    for key, peaks in PEAK_TFLOPS:
+        if key in device_kind:
+            note = ""
+            if dtype == "float32":
+                note = " (TF32 tensor cores)" if "NVIDIA" in device_kind else " (bf16 passes)"
+            return peaks[dtype], f"{key} {dtype} dense peak{note}"
+    return None, f"no peak known for {device_kind!r}; set PEAK_TFLOPS"
+
+
+def step_flops(compiled) -> float:
+    """FLOPs of one call of a `jax.stages.Compiled`, from XLA's cost analysis of the optimized
+    module. `cost_analysis()` returns a dict, or in older JAX a list with one dict per module
+    (one for a single-device jit: its first is taken)."""
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, (list, tuple)):
+        analysis = analysis[0] if analysis else None
+    if not analysis or "flops" not in analysis:
+        keys = sorted(analysis) if isinstance(analysis, dict) else analysis
+        raise RuntimeError(f"XLA's cost analysis gives no 'flops' for this step (got {keys})")
+    return float(analysis["flops"])
+
+
+def compiled_memory(compiled) -> dict[str, int] | None:
+    """Bytes of a `jax.stages.Compiled` from its `memory_analysis()` (None where the backend
+    gives none): temp, arguments, outputs, aliased, and "peak" = temp + arguments + outputs -
+    aliased (a donated argument's outputs reuse its buffers, so they are counted once)."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    sizes = {
+        "temp": stats.temp_size_in_bytes,
+        "arguments": stats.argument_size_in_bytes,
+        "outputs": stats.output_size_in_bytes,
+        "aliased": stats.alias_size_in_bytes,
+    }
+    sizes["peak"] = sizes["temp"] + sizes["arguments"] + sizes["outputs"] - sizes["aliased"]
+    return sizes
+
+
+def device_peak_bytes() -> int | None:
+    """The first device's peak bytes in use so far in this process (`memory_stats()`'s
+    "peak_bytes_in_use"), or None where the backend keeps no such count (CPU)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats()
+    if not stats or "peak_bytes_in_use" not in stats:
+        return None
+    return int(stats["peak_bytes_in_use"])
+
+
+def device_figures(
+    train,
+    predict,
+    train_s: float | None,
+    predict_s: float | None,
+    batch: int,
+    dtype: str,
+    predict_device_peak: int | None = None,
+    train_device_peak: int | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Prints and returns the figures of the compiled train and predict steps
+    (`jax.stages.Compiled`) whose median seconds are `train_s` and `predict_s` at `batch`
+    images in `dtype`: FLOPs per step from XLA's cost analysis, achieved TFLOP/s, MFU against
+    `peak_tflops`, the compiled step's memory_analysis() peak and the device's measured peak.
+
+    One line per step kind, "device figures: <kind> step S s, I images/s, G GFLOP, T TFLOP/s,
+    MFU M%, compiled peak C GB, device peak D GB (...)"; figures that do not exist on the
+    device are "n/a", as are the time-based ones when `train_s` / `predict_s` are None
+    (compiled, not run: `--compile-only`). "mfu" is in percent. The device peak is the
+    process's peak so far, setup included: for the train line `train_device_peak` (read by
+    the caller right after the train timings, which follow the predict timings) or else read
+    now, so the max over both steps; the predict line shows `predict_device_peak` (read
+    after the predict timings, before any train step) if given, else the same as the train
+    line."""
+    import jax
+
+    device = jax.devices()[0]
+    peak, peak_note = peak_tflops(device.device_kind, dtype)
+    final_peak = device_peak_bytes() if train_device_peak is None else train_device_peak
+    both = "max over predict and train steps"
+    kinds = {"train": (train, train_s, final_peak, both)}
+    if predict_device_peak is None:
+        kinds["predict"] = (predict, predict_s, final_peak, both)
+    else:
+        kinds["predict"] = (predict, predict_s, predict_device_peak, "before any train step")
+    print(f"  peak for MFU: {'n/a' if peak is None else f'{peak:g} TFLOP/s'} ({peak_note})")
+
+    def show(value, spec: str, unit: str = "") -> str:
+        return "n/a" if value is None else f"{value:{spec}}{unit}"
+
+    figures = {}
+    for kind, (compiled, seconds, device_peak, device_note) in kinds.items():
+        flops = step_flops(compiled)
+        memory = compiled_memory(compiled)
+        achieved = None if seconds is None else flops / seconds / 1e12
+        figure = {
+            "seconds": seconds,
+            "images_per_s": None if seconds is None else batch / seconds,
+            "gflop": flops / 1e9,
+            "tflops": achieved,
+            "mfu": None if peak is None or achieved is None else 100 * achieved / peak,
+            "compiled_peak_gb": None if memory is None else memory["peak"] / 1e9,
+            "device_peak_gb": None if device_peak is None else device_peak / 1e9,
+        }
+        figures[kind] = figure
+        device_gb = show(figure["device_peak_gb"], ".2f", " GB")
+        if device_peak is not None:
+            device_gb += f" ({device_note})"
+        print(
+            f"device figures: {kind} step {show(seconds, '.4f', ' s')}, "
+            f"{show(figure['images_per_s'], '.2f')} images/s, {figure['gflop']:.1f} GFLOP, "
+            f"{show(achieved, '.3f')} TFLOP/s, MFU {show(figure['mfu'], '.1f', '%')}, "
+            f"compiled peak {show(figure['compiled_peak_gb'], '.2f', ' GB')}, "
+            f"device peak {device_gb}"
+        )
+    return figures

@@ -26,10 +26,17 @@ machine's load weighs on both.
 
     python bench/detr_train_step.py [--steps 5] [--warmup 1] [--size 320] [--batch 2]
                                     [--dtype float32|bfloat16] [--no-torch] [--torch-threads T]
-                                    [--train-stem]
+                                    [--train-stem] [--compile-only]
 
 `--no-torch` times only ours and never imports torch or transformers (for accelerators; the
-weights are then our own random init). The last line sums up the ratios.
+weights are then our own random init). The summary line of ratios is followed by two
+"device figures:" lines (`common.device_figures`), one per step kind: median step seconds,
+images/s, GFLOP per step from XLA's cost analysis, achieved TFLOP/s, MFU against the device's
+dense peak (`common.PEAK_TFLOPS`, or `PEAK_TFLOPS` in the environment; "n/a" on CPU), the
+compiled step's memory_analysis() peak and the device's measured peak (`memory_stats()`; "n/a"
+on CPU): for the train line the max over both steps, for the predict line before any train
+step. `--compile-only` compiles our two steps without running them and prints only those lines
+(their FLOPs and compiled memory; the time-based figures n/a).
 """
 
 from __future__ import annotations
@@ -63,6 +70,12 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-torch", action="store_true", help="time only ours")
     parser.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="only compile our steps and print their FLOPs and compiled memory (no timings; "
+        "implies --no-torch)",
+    )
+    parser.add_argument(
         "--torch-threads",
         type=int,
         default=0,
@@ -75,6 +88,7 @@ def _parse_args() -> argparse.Namespace:
         help="train the stem and the first stage too, on both sides (DETR keeps them fixed)",
     )
     args = parser.parse_args()
+    args.no_torch = args.no_torch or args.compile_only
     if args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.size < 64:
         parser.error("need --steps >= 1, --warmup >= 0, --batch >= 1, --size >= 64")
     if args.torch_threads < 0:
@@ -203,7 +217,7 @@ def _our_runner(module, variables, inputs, args: argparse.Namespace) -> dict[str
         jax.jit(functools.partial(train.predict_step, model=module)).lower(state, batch).compile()
     )
     compile_predict = time.perf_counter() - start
-    detections = jax.device_get(predict(state, batch))
+    detections = None if args.compile_only else jax.device_get(predict(state, batch))
 
     start = time.perf_counter()
     step = (
@@ -234,6 +248,8 @@ def _our_runner(module, variables, inputs, args: argparse.Namespace) -> dict[str
         "losses": losses,
         "compile_train": compile_train,
         "compile_predict": compile_predict,
+        "compiled_train": step,
+        "compiled_predict": predict,
         "detections": detections,
     }
 
@@ -264,6 +280,25 @@ def _native_model(args: argparse.Namespace, dtype):
 # --------------------------------------------------------------------------------------------
 
 
+def _compile_only_report(args: argparse.Namespace, ours: dict[str, Any]) -> None:
+    """--compile-only: the compiled steps' FLOPs and memory, nothing run."""
+    import jax
+
+    device = jax.devices()[0]
+    print(
+        f"DETR-R50 train step and inference, compiled only (not run): batch {args.batch}, "
+        f"{args.size}x{args.size}, ours in {args.dtype} on {device.platform} "
+        f"({device.device_kind})"
+    )
+    print(
+        f"  ours compile: train step {ours['compile_train']:.1f} s, "
+        f"predict {ours['compile_predict']:.1f} s"
+    )
+    common.device_figures(
+        ours["compiled_train"], ours["compiled_predict"], None, None, args.batch, args.dtype
+    )
+
+
 def main() -> None:
     args = _parse_args()
     torch_threads = args.torch_threads or os.cpu_count()
@@ -288,6 +323,9 @@ def main() -> None:
     if args.no_torch:
         module, variables = _native_model(args, dtype)
         runners["ours"] = _our_runner(module, variables, inputs, args)
+        if args.compile_only:
+            _compile_only_report(args, runners["ours"])
+            return
     else:
         from ood_jax.models import convert
 
@@ -298,13 +336,14 @@ def main() -> None:
         module = module.clone(backbone_frozen_stages=0 if args.train_stem else 1)
         runners["ours"] = _our_runner(module, variables, inputs, args)
         runners["torch"] = _torch_runner(model, inputs, args)
-    # Inference first: the train steps change the weights.
-    times = {
-        key: common.time_alternating(
-            {name: r[key] for name, r in runners.items()}, args.steps, args.warmup
-        )
-        for key in ("predict", "train")
-    }
+    # Inference first: the train steps change the weights. The device's peak memory is read
+    # after the inference timings too, before any train step.
+    times = {}
+    for key in ("predict", "train"):
+        fns = {name: r[key] for name, r in runners.items()}
+        times[key] = common.time_alternating(fns, args.steps, args.warmup)
+        if key == "predict":
+            predict_device_peak = common.device_peak_bytes()
     ours, theirs = runners["ours"], runners.get("torch")
 
     device = jax.devices()[0]
@@ -356,6 +395,15 @@ def main() -> None:
             part += f", torch {medians[key]['torch']:.3f} s, ratio torch/ours {ratio:.2f}"
         parts.append(part)
     print("; ".join(parts))
+    common.device_figures(
+        ours["compiled_train"],
+        ours["compiled_predict"],
+        medians["train"]["ours"],
+        medians["predict"]["ours"],
+        args.batch,
+        args.dtype,
+        predict_device_peak,
+    )
 
 
 if __name__ == "__main__":

@@ -37,9 +37,17 @@ forward + backward of the sum of all outputs (and say so).
 
     python bench/dino_step.py [--steps 3] [--warmup 1] [--size 320] [--batch 2] [--dn 100]
                               [--op-size 800x1333] [--dtype float32|bfloat16] [--remat]
-                              [--torch-threads T] [--no-torch]
+                              [--torch-threads T] [--no-torch] [--no-op] [--compile-only]
 
-The last line sums up the ratios (torch time / our time; above 1 means ours is faster).
+The summary line gives the ratios (torch time / our time; above 1 means ours is faster); two
+"device figures:" lines follow (`common.device_figures`), one per step kind: median step
+seconds, images/s, GFLOP per step from XLA's cost analysis, achieved TFLOP/s, MFU against the
+device's dense peak (`common.PEAK_TFLOPS` or `PEAK_TFLOPS`; "n/a" on CPU), the compiled step's
+memory_analysis() peak and the device's measured peak (`memory_stats()`; "n/a" on CPU): after
+the train steps the max over both steps, for the predict line before any train step.
+`--no-op` skips the deformable-attention op (its inputs, compiles and timings);
+`--compile-only` compiles our two steps without running anything and prints only those lines
+(their FLOPs and compiled memory; the time-based figures n/a).
 
 `--memory [--size 800x1333] [--remat] [--dtype D]` measures instead the memory one train step
 needs at batch `--batch`: ours from the compiled step's `memory_analysis()` (`build_train_step`
@@ -95,6 +103,15 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-torch", action="store_true", help="time only ours")
     parser.add_argument(
+        "--no-op", action="store_true", help="skip the deformable-attention op timings"
+    )
+    parser.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="only compile our steps and print their FLOPs and compiled memory (no timings; "
+        "implies --no-torch --no-op)",
+    )
+    parser.add_argument(
         "--memory", action="store_true", help="the train step's memory instead of times"
     )
     parser.add_argument("--torch-memory-child", action="store_true", help=argparse.SUPPRESS)
@@ -102,6 +119,8 @@ def _parse_args() -> argparse.Namespace:
         "--torch-threads", type=int, default=0, help="torch intra-op threads (0: all cores)"
     )
     args = parser.parse_args()
+    args.no_torch = args.no_torch or args.compile_only
+    args.no_op = args.no_op or args.compile_only
     if args.steps < 1 or args.warmup < 0 or args.batch < 1:
         parser.error("need --steps >= 1, --warmup >= 0, --batch >= 1")
     size = args.size or ("800x1333" if args.memory else "320")
@@ -367,6 +386,8 @@ def _our_runner(args: argparse.Namespace, inputs, dtype, use_loss: bool) -> dict
         "losses": losses,
         "compile_train": compile_train,
         "compile_predict": compile_predict,
+        "compiled_train": step_fn,
+        "compiled_predict": predict_fn,
     }
 
 
@@ -442,14 +463,9 @@ def our_step_memory(
     rng = jax.eval_shape(lambda: jax.random.key(0))
     start = time.perf_counter()
     lowered = steps["train"].lower(steps["state"], steps["fixed"], batch_spec, rng)
-    stats = lowered.compile().memory_analysis()
-    sizes = {
-        "temp": stats.temp_size_in_bytes,
-        "arguments": stats.argument_size_in_bytes,
-        "outputs": stats.output_size_in_bytes,
-        "aliased": stats.alias_size_in_bytes,
-    }
-    sizes["peak"] = sizes["temp"] + sizes["arguments"] + sizes["outputs"] - sizes["aliased"]
+    sizes = common.compiled_memory(lowered.compile())
+    if sizes is None:
+        raise RuntimeError("this backend's compiled step has no memory_analysis()")
     return {**sizes, "compile_s": time.perf_counter() - start}
 
 
@@ -580,22 +596,45 @@ def main() -> None:
         return
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     inputs = _inputs(args)
-    op_inputs = _op_inputs(args)
+    op_inputs = None if args.no_op else _op_inputs(args)
     load = os.getloadavg()[0]
 
     runners = {"ours": _our_runner(args, inputs, dtype, use_loss)}
-    op_runners = {"ours": _our_op_runner(*op_inputs, remat=args.remat)}
+    if args.compile_only:
+        ours, device = runners["ours"], jax.devices()[0]
+        print(
+            f"DINO-4scale R50 ({NUM_QUERIES} queries, {args.dn} denoising budget), compiled "
+            f"only (not run): batch {args.batch}, {args.hw[0]}x{args.hw[1]}; ours in "
+            f"{args.dtype} on {device.platform} ({device.device_kind}), remat {args.remat}"
+        )
+        print(f"  train loss: {loss_note}")
+        print(
+            f"  ours compile: train step {ours['compile_train']:.1f} s, predict "
+            f"{ours['compile_predict']:.1f} s"
+        )
+        common.device_figures(
+            ours["compiled_train"], ours["compiled_predict"], None, None, args.batch, args.dtype
+        )
+        return
+    op_runners = {} if args.no_op else {"ours": _our_op_runner(*op_inputs, remat=args.remat)}
     if not args.no_torch:
         runners["torch"] = _torch_runner(args, inputs, use_loss)
-        op_runners["torch"] = _torch_op_runner(*op_inputs)
-    rows = [("train", "train step"), ("predict", "inference"), ("op forward", "op forward")]
-    rows.append(("op fwd+bwd", "op fwd+bwd"))
+        if not args.no_op:
+            op_runners["torch"] = _torch_op_runner(*op_inputs)
+    rows = [("train", "train step"), ("predict", "inference")]
+    if not args.no_op:
+        rows += [("op forward", "op forward"), ("op fwd+bwd", "op fwd+bwd")]
     times = {}
-    # Inference first: the train steps change the weights.
-    for key, _ in rows:
+    # Inference first: the train steps change the weights. The device's peak memory is read
+    # after the inference timings too, before any train step (the op runs after both).
+    for key in ("predict", "train", *[k for k, _ in rows[2:]]):
         source = op_runners if key.startswith("op") else runners
         fns = {name: r[key] for name, r in source.items()}
         times[key] = common.time_alternating(fns, args.steps, args.warmup)
+        if key == "predict":
+            predict_device_peak = common.device_peak_bytes()
+        elif key == "train":
+            train_device_peak = common.device_peak_bytes()
 
     ours, theirs = runners["ours"], runners.get("torch")
     device = jax.devices()[0]
@@ -618,11 +657,12 @@ def main() -> None:
         f"{ours['losses'][0]:.3f}"
         + ("" if theirs is None else f", torch {theirs['losses'][0]:.3f}")
     )
-    shapes = op_inputs[1]
-    print(
-        f"  op: batch {args.batch}, {NUM_QUERIES} queries, {HEADS} heads x {HEAD_DIM}, "
-        f"{LEVELS} levels x {POINTS} points over {shapes} ({args.op_size} image)"
-    )
+    if not args.no_op:
+        shapes = op_inputs[1]
+        print(
+            f"  op: batch {args.batch}, {NUM_QUERIES} queries, {HEADS} heads x {HEAD_DIM}, "
+            f"{LEVELS} levels x {POINTS} points over {shapes} ({args.op_size} image)"
+        )
     header = f"  {'':12s} {'ours (s)':>24s}"
     if theirs is not None:
         header += f" {'torch (s)':>24s} {'torch/ours':>11s}"
@@ -639,6 +679,16 @@ def main() -> None:
         print(row)
         parts.append(part)
     print("; ".join(parts))
+    common.device_figures(
+        ours["compiled_train"],
+        ours["compiled_predict"],
+        medians["train"]["ours"],
+        medians["predict"]["ours"],
+        args.batch,
+        args.dtype,
+        predict_device_peak,
+        train_device_peak,
+    )
 
 
 if __name__ == "__main__":
