@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from ood_jax.models import backbones, conv
+from ood_jax.models import attention, backbones, conv
 from ood_jax.models.backbones import load_backbone as load_backbone
 from ood_jax.models.position_embedding import sine_position_embedding
 from ood_jax.models.registry import LossFn
@@ -76,21 +76,14 @@ class Attention(nn.Module):
         q = project(query, "q_proj")
         k = project(key, "k_proj")
         v = project(value, "v_proj")
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-        logits = logits * head_dim**-0.5
-        # The most negative finite value acts as -inf (its exp is exactly 0 next to any real
-        # key) but leaves a row with no allowed key uniform instead of NaN, so an all-padding
-        # filler example in a batch cannot poison the loss.
-        big_neg = jnp.finfo(jnp.float32).min
-        if key_mask is not None:
-            logits = jnp.where(key_mask[:, None, None, :], logits, big_neg)
-        if attention_mask is not None:
-            if attention_mask.ndim == 2:
-                attention_mask = attention_mask[None]
-            logits = jnp.where(attention_mask[:, None], logits, big_neg)
-        weights = jax.nn.softmax(logits, axis=-1).astype(self.dtype)
-        weights = nn.Dropout(self.dropout)(weights, deterministic=not train)
-        out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(*query.shape[:-1], dim)
+        mask = attention.combined_mask(key_mask, attention_mask)
+        if train and self.dropout > 0:  # dropout acts on the weights: they must exist
+            weights = attention.attention_weights(q, k, mask)
+            weights = nn.Dropout(self.dropout)(weights, deterministic=False)
+            out = attention.weighted_values(weights, v)
+        else:
+            out = attention.dot_product_attention(q, k, v, mask)
+        out = out.reshape(*query.shape[:-1], dim)
         return nn.Dense(dim, dtype=self.dtype, kernel_init=_xavier, name="o_proj")(out)
 
 
