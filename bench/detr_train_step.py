@@ -355,7 +355,8 @@ def main() -> None:
     threads = "" if theirs is None else f" (torch threads {torch_threads})"
     alternating = "" if theirs is None else ", ours and torch alternating"
     print(
-        f"  {os.cpu_count()} CPU cores{threads}, load average {load:.1f} before / "
+        f"  {os.cpu_count()} CPU cores{threads}, malloc {common.allocator()}, load average "
+        f"{load:.1f} before / "
         f"{os.getloadavg()[0]:.1f} after; median [min-max] of {args.steps} runs after "
         f"{args.warmup} warm-up{alternating}"
     )

@@ -49,6 +49,15 @@ the train steps the max over both steps, for the predict line before any train s
 `--compile-only` compiles our two steps without running anything and prints only those lines
 (their FLOPs and compiled memory; the time-based figures n/a).
 
+The malloc decides the CPU ratios (the header names it, `common.allocator`): XLA:CPU allocates
+a step's temp buffer anew on each call, and glibc's malloc returns its gigabytes to the kernel,
+so each step faults them in again, worse while torch's steps alternate with ours. Measured at
+the defaults (320x320, batch 2, float32, 2 cores, `--steps 3`): with jemalloc never purging,
+as launch/local.sh runs training (`LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2
+MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1`), train step 2.79 s against 4.77 s (1.71x),
+inference 1.20x; with tcmalloc_minimal 1.53x; with glibc's malloc 9.25 s against 5.34 s
+(0.58x), ours alone (`--no-torch`) 4.1-4.9 s.
+
 `--memory [--size 800x1333] [--remat] [--dtype D]` measures instead the memory one train step
 needs at batch `--batch`: ours from the compiled step's `memory_analysis()` (`build_train_step`
 lowered on abstract arguments: compiled, never run) at the size, 3/4 and 1/2 of it in `--dtype`
@@ -646,7 +655,8 @@ def main() -> None:
     )
     threads = "" if theirs is None else f" (torch threads {torch_threads})"
     print(
-        f"  {os.cpu_count()} CPU cores{threads}, load average {load:.1f} before / "
+        f"  {os.cpu_count()} CPU cores{threads}, malloc {common.allocator()}, load average "
+        f"{load:.1f} before / "
         f"{os.getloadavg()[0]:.1f} after; median [min-max] of {args.steps} runs after "
         f"{args.warmup} warm-up, alternating"
     )
