@@ -356,8 +356,7 @@ def main() -> None:
     alternating = "" if theirs is None else ", ours and torch alternating"
     print(
         f"  {os.cpu_count()} CPU cores{threads}, malloc {common.allocator()}, load average "
-        f"{load:.1f} before / "
-        f"{os.getloadavg()[0]:.1f} after; median [min-max] of {args.steps} runs after "
+        f"{load:.1f} before / {os.getloadavg()[0]:.1f} after; median [min-max] of {args.steps} runs after "
         f"{args.warmup} warm-up{alternating}"
     )
     print(

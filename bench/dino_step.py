@@ -656,8 +656,7 @@ def main() -> None:
     threads = "" if theirs is None else f" (torch threads {torch_threads})"
     print(
         f"  {os.cpu_count()} CPU cores{threads}, malloc {common.allocator()}, load average "
-        f"{load:.1f} before / "
-        f"{os.getloadavg()[0]:.1f} after; median [min-max] of {args.steps} runs after "
+        f"{load:.1f} before / {os.getloadavg()[0]:.1f} after; median [min-max] of {args.steps} runs after "
         f"{args.warmup} warm-up, alternating"
     )
     print(f"  train loss: {loss_note}")
