@@ -30,15 +30,6 @@ def time_alternating(
     return times
 
 
-def allocator() -> str:
-    """The malloc both frameworks run on: a library in LD_PRELOAD (the child processes a bench
-    starts inherit it), else the C library's. On CPU it moves the ratios: XLA:CPU allocates a
-    step's temporary buffers anew each call, and with glibc's malloc those gigabytes come back
-    as fresh pages to fault in every step, while tcmalloc keeps them for the next."""
-    preloaded = [os.path.basename(p) for p in os.environ.get("LD_PRELOAD", "").split(":") if p]
-    return f"{', '.join(preloaded)} (LD_PRELOAD)" if preloaded else "the C library's malloc"
-
-
 def random_detection_input(seed: int, batch: int, size: int, max_boxes: int, num_classes: int):
     """Images [B, S, S, 3] float32, boxes [B, M, 4] normalized cxcywh, labels [B, M], and a
     mask [B, M] with 3 to 6 real boxes per image."""

@@ -54,6 +54,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import common  # noqa: E402  (bench/, the directory of this script)
 
+from ood_jax import malloc  # noqa: E402
+
 NUM_CLASSES = 91  # COCO's label space as DETR uses it; the model adds the "no object" logit
 NUM_QUERIES = 100
 MAX_BOXES = 8  # target slots per image; 3 to 6 of them real
@@ -355,7 +357,7 @@ def main() -> None:
     threads = "" if theirs is None else f" (torch threads {torch_threads})"
     alternating = "" if theirs is None else ", ours and torch alternating"
     print(
-        f"  {os.cpu_count()} CPU cores{threads}, malloc {common.allocator()}, load average "
+        f"  {os.cpu_count()} CPU cores{threads}, malloc {malloc.describe()}, load average "
         f"{load:.1f} before / {os.getloadavg()[0]:.1f} after; median [min-max] of {args.steps} runs after "
         f"{args.warmup} warm-up{alternating}"
     )
@@ -407,4 +409,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    malloc.restart_keeping_freed_memory()
     main()

@@ -35,6 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import common  # noqa: E402  (bench/, the directory of this script)
 
+from ood_jax import malloc  # noqa: E402
+
 SMALL_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2)
 
 
@@ -185,4 +187,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    malloc.restart_keeping_freed_memory()
     main()

@@ -41,6 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import common  # noqa: E402  (bench/, the directory of this script)
 
+from ood_jax import malloc  # noqa: E402
+
 # Sizes (h, w) of typical photos in ImageNet / COCO, the datasets the papers mine.
 PHOTO_SIZES = [(375, 500), (480, 640), (333, 500), (500, 375), (427, 640), (480, 480)]
 
@@ -233,4 +235,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    malloc.restart_keeping_freed_memory()
     main()

@@ -1,0 +1,110 @@
+"""ood_jax.malloc: when the entry points restart, and that the restarted process really reuses
+freed memory instead of faulting it in again."""
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from ood_jax import malloc
+
+GLIBC = ("glibc", "2.36")
+
+# Touches a 256 MiB malloc'd block, frees it, mallocs and touches it again, and prints the minor
+# page faults of the second touch (one per 4 KiB page unless the pages were kept).
+CHILD = r"""
+import ctypes, os, resource, sys
+from ood_jax import malloc
+malloc.restart_keeping_freed_memory()
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+size = 256 << 20
+def touch():
+    block = libc.malloc(ctypes.c_size_t(size))
+    ctypes.memset(block, 1, size)
+    return block
+libc.free(ctypes.c_void_p(touch()))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+libc.free(ctypes.c_void_p(touch()))
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print(os.getpid(), faults, os.environ.get("GLIBC_TUNABLES", ""), malloc.describe(), sys.argv[1:])
+"""
+
+
+def test_restart_sets_what_keeps_freed_memory():
+    tunables = malloc.restart_tunables({}, GLIBC, "madvise")
+    assert malloc.parse_tunables(tunables) == {**malloc.KEEP_FREED, **malloc.HUGE_PAGES}
+
+
+def test_huge_pages_only_asked_for_in_madvise_mode_and_recent_glibc():
+    for mode in ("always", "never", None):
+        assert malloc.parse_tunables(malloc.restart_tunables({}, GLIBC, mode)) == malloc.KEEP_FREED
+    old = malloc.restart_tunables({}, ("glibc", "2.31"), "madvise")
+    assert malloc.parse_tunables(old) == malloc.KEEP_FREED
+
+
+def test_users_tunables_are_kept_and_completed():
+    environ = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=4:glibc.rtld.nns=8"}
+    tunables = malloc.parse_tunables(malloc.restart_tunables(environ, GLIBC, "never"))
+    assert tunables["glibc.malloc.arena_max"] == "4"
+    assert tunables["glibc.rtld.nns"] == "8"
+    assert tunables["glibc.malloc.mmap_max"] == "0"
+
+
+@pytest.mark.parametrize(
+    "environ, libc",
+    [
+        ({"OOD_JAX_MALLOC": "system"}, GLIBC),
+        ({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}, GLIBC),
+        ({"LD_PRELOAD": "libfoo.so libtcmalloc_minimal.so.4"}, GLIBC),
+        ({}, ("", "")),  # musl, macOS
+        ({"GLIBC_TUNABLES": malloc.restart_tunables({}, GLIBC, "madvise")}, GLIBC),
+    ],
+)
+def test_no_restart(environ, libc):
+    assert malloc.restart_tunables(environ, libc, "madvise") is None
+
+
+def _child(env_update):
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
+    env.update(env_update)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, "--flag", "x y"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split(" ", 3)
+    return int(out[1]), out[2], out[3]
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
+def test_restarted_process_reuses_freed_pages():
+    faults, tunables, rest = _child({})
+    assert malloc.parse_tunables(tunables).items() >= malloc.KEEP_FREED.items()
+    assert "keeping freed memory" in rest and "['--flag', 'x y']" in rest  # arguments survive
+    pages = (256 << 20) // 4096
+    assert faults < pages // 100, faults
+
+    faults, tunables, rest = _child({"OOD_JAX_MALLOC": "system"})
+    assert tunables == "" and "glibc's default" in rest
+    assert faults > pages // 2, faults  # what the restart saves: every page faulted again
+
+
+def test_console_entry_point_restarts(tmp_path):
+    """`ood-jax` itself runs under the tunables (checked through the child's environment)."""
+    script = tmp_path / "show.py"
+    script.write_text(
+        "import os, sys\n"
+        "from ood_jax import console, cli\n"
+        "cli.main = lambda: print(os.environ.get('GLIBC_TUNABLES', ''))\n"
+        "console.main()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
+    out = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    expected = malloc.restart_tunables(env, platform.libc_ver(), malloc.thp_mode())
+    assert out == (expected or "")
