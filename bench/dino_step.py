@@ -49,14 +49,13 @@ the train steps the max over both steps, for the predict line before any train s
 `--compile-only` compiles our two steps without running anything and prints only those lines
 (their FLOPs and compiled memory; the time-based figures n/a).
 
-The malloc decides the CPU ratios (the header names it, `common.allocator`): XLA:CPU allocates
-a step's temp buffer anew on each call, and glibc's malloc returns its gigabytes to the kernel,
-so each step faults them in again, worse while torch's steps alternate with ours. Measured at
-the defaults (320x320, batch 2, float32, 2 cores, `--steps 3`): with jemalloc never purging,
-as launch/local.sh runs training (`LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2
-MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1`), train step 2.79 s against 4.77 s (1.71x),
-inference 1.20x; with tcmalloc_minimal 1.53x; with glibc's malloc 9.25 s against 5.34 s
-(0.58x), ours alone (`--no-torch`) 4.1-4.9 s.
+The malloc decides the CPU ratios (the header names it): XLA:CPU allocates a step's 5.6 GB
+temp buffer anew on each call, and glibc's default malloc unmaps it on free, so each step faults
+it in again, worse while torch's steps alternate with ours. Like `ood-jax`, the bench restarts
+itself under glibc settings that keep freed memory (`ood_jax/malloc.py`). Measured at the
+defaults (320x320, batch 2, float32, 2 cores, `--steps 3`): train step 3.24 s against 4.00 s
+(1.23x), inference 1.10 s against 1.40 s (1.28x); with `OOD_JAX_MALLOC=system` (glibc's
+default) 8.58 s against 5.11 s (0.60x).
 
 `--memory [--size 800x1333] [--remat] [--dtype D]` measures instead the memory one train step
 needs at batch `--batch`: ours from the compiled step's `memory_analysis()` (`build_train_step`

@@ -17,7 +17,7 @@ usage: launch/local.sh CONFIG[:arg] WORKDIR [--eval-only] [--config.FIELD=VALUE 
   --config.*  overrides passed through to ood-jax, e.g. --config.total_steps=100
 
   Environment: OOD_JAX (the ood-jax executable; default .venv/bin/ood-jax, else the one on PATH);
-  OOD_JAX_MALLOC=system keeps glibc's malloc instead of jemalloc (used when installed).
+  OOD_JAX_MALLOC=system keeps glibc's default malloc (see ood_jax/malloc.py).
 
 example:
   launch/local.sh configs/synthetic_detr.py:smoke /tmp/smoke --config.total_steps=20
@@ -69,21 +69,6 @@ elif command -v ood-jax >/dev/null; then
 else
     echo "error: no ood-jax executable; install the package (pip install -e .) or set OOD_JAX" >&2
     exit 1
-fi
-
-# XLA:CPU mallocs a step's whole temp buffer on every step (0.5 GB for DETR-R50 at batch 2 and
-# 320 px, 6 GB for DINO) and glibc unmaps it afterwards, so each step faults it in again: 131k
-# page faults and 0.1 s per DETR-R50 step, 1.5M and 1.5 s per DINO step. jemalloc, told never to
-# purge, keeps those pages mapped (libjemalloc2 on Debian/Ubuntu).
-if [[ ${OOD_JAX_MALLOC:-jemalloc} == jemalloc ]]; then
-    # awk reads to the end (leaving early would fail the pipeline with SIGPIPE under pipefail);
-    # no ldconfig on PATH means no jemalloc, not an error.
-    jemalloc=$(ldconfig -p 2>/dev/null | awk '/libjemalloc\.so\.2 / && !found {found = $NF} END {print found}' || true)
-    if [[ -n $jemalloc ]]; then
-        export LD_PRELOAD=$jemalloc${LD_PRELOAD:+:$LD_PRELOAD}
-        export MALLOC_CONF=${MALLOC_CONF:-dirty_decay_ms:-1,muzzy_decay_ms:-1}
-        echo "malloc: $jemalloc, $MALLOC_CONF (OOD_JAX_MALLOC=system to keep glibc's)"
-    fi
 fi
 
 mkdir -p "$workdir"

@@ -38,6 +38,7 @@ LAYERS = (
         "ood_jax.config_files",
         "ood_jax.prompts",
         "ood_jax.manifest",
+        "ood_jax.malloc",
     ),
 )
 

@@ -93,14 +93,14 @@ def test_restarted_process_reuses_freed_pages():
     assert faults > pages // 2, faults  # what the restart saves: every page faulted again
 
 
-def test_console_entry_point_restarts(tmp_path):
+def test_entry_point_restarts(tmp_path):
     """`ood-jax` itself runs under the tunables (checked through the child's environment)."""
     script = tmp_path / "show.py"
     script.write_text(
         "import os, sys\n"
-        "from ood_jax import console, cli\n"
+        "from ood_jax import __main__ as entry, cli\n"
         "cli.main = lambda: print(os.environ.get('GLIBC_TUNABLES', ''))\n"
-        "console.main()\n"
+        "entry.main()\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
     out = subprocess.run(

@@ -1,4 +1,5 @@
-"""The `ood-jax` executable: restarts under a malloc that keeps freed memory, then runs the CLI.
+"""`ood-jax` and `python -m ood_jax`: restart under a malloc that keeps freed memory, then run
+the CLI.
 
 Kept apart from `ood_jax.cli` so the restart comes before the CLI's imports, and so importing
 the CLI (as tests do) never replaces the process.
@@ -12,3 +13,7 @@ def main() -> None:
     from ood_jax import cli
 
     cli.main()
+
+
+if __name__ == "__main__":
+    main()
