@@ -484,7 +484,8 @@ def _torch_step_memory(args: argparse.Namespace) -> dict[str, float]:
     command = [sys.executable, os.path.abspath(__file__), "--torch-memory-child"]
     command += ["--size", "x".join(map(str, args.hw)), "--batch", str(args.batch)]
     command += ["--seed", str(args.seed), "--torch-threads", str(args.torch_threads)]
-    done = subprocess.run(command, capture_output=True, text=True)
+    # glibc's default malloc, as PyTorch runs: keeping freed memory could only raise its peak.
+    done = subprocess.run(command, capture_output=True, text=True, env=malloc.default_environ())
     if done.returncode:
         raise RuntimeError(f"the torch memory run failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

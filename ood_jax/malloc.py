@@ -26,6 +26,8 @@ from collections.abc import Mapping
 OPT_OUT_ENV = "OOD_JAX_MALLOC"
 OPT_OUT_VALUE = "system"
 TUNABLES_ENV = "GLIBC_TUNABLES"
+# What GLIBC_TUNABLES was before the restart ("" for unset), for `default_environ`.
+BEFORE_ENV = "OOD_JAX_GLIBC_TUNABLES_BEFORE"
 THP_MODE_FILE = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 KEEP_FREED = {
@@ -89,10 +91,23 @@ def restart_keeping_freed_memory() -> None:
     tunables = restart_tunables(os.environ, platform.libc_ver(), thp_mode())
     if tunables is None:
         return
+    os.environ[BEFORE_ENV] = os.environ.get(TUNABLES_ENV, "")
     os.environ[TUNABLES_ENV] = tunables
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+
+
+def default_environ(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """`environ` for a child process that should run on glibc's default malloc, as it would
+    have been without the restart (a benchmark's reference side, measured by its peak RSS)."""
+    child = {k: v for k, v in environ.items() if k != BEFORE_ENV}
+    child[OPT_OUT_ENV] = OPT_OUT_VALUE
+    if BEFORE_ENV in environ:
+        child.pop(TUNABLES_ENV, None)
+        if environ[BEFORE_ENV]:
+            child[TUNABLES_ENV] = environ[BEFORE_ENV]
+    return child
 
 
 def describe(environ: Mapping[str, str] = os.environ) -> str:

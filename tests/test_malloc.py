@@ -1,6 +1,7 @@
 """ood_jax.malloc: when the entry points restart, and that the restarted process really reuses
 freed memory instead of faulting it in again."""
 
+import json
 import os
 import platform
 import subprocess
@@ -15,7 +16,7 @@ GLIBC = ("glibc", "2.36")
 # Touches a 256 MiB malloc'd block, frees it, mallocs and touches it again, and prints the minor
 # page faults of the second touch (one per 4 KiB page unless the pages were kept).
 CHILD = r"""
-import ctypes, os, resource, sys
+import ctypes, json, os, resource, sys
 from ood_jax import malloc
 malloc.restart_keeping_freed_memory()
 libc = ctypes.CDLL(None)
@@ -29,7 +30,10 @@ libc.free(ctypes.c_void_p(touch()))
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 libc.free(ctypes.c_void_p(touch()))
 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-print(os.getpid(), faults, os.environ.get("GLIBC_TUNABLES", ""), malloc.describe(), sys.argv[1:])
+print(json.dumps({
+    "faults": faults, "tunables": os.environ.get("GLIBC_TUNABLES", ""), "argv": sys.argv[1:],
+    "malloc": malloc.describe(), "default_environ": malloc.default_environ(),
+}))
 """
 
 
@@ -76,21 +80,27 @@ def _child(env_update):
         capture_output=True,
         text=True,
         check=True,
-    ).stdout.split(" ", 3)
-    return int(out[1]), out[2], out[3]
+    ).stdout
+    return json.loads(out), env
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 def test_restarted_process_reuses_freed_pages():
-    faults, tunables, rest = _child({})
-    assert malloc.parse_tunables(tunables).items() >= malloc.KEEP_FREED.items()
-    assert "keeping freed memory" in rest and "['--flag', 'x y']" in rest  # arguments survive
     pages = (256 << 20) // 4096
-    assert faults < pages // 100, faults
+    kept, env = _child({"GLIBC_TUNABLES": "glibc.rtld.nns=8"})
+    assert malloc.parse_tunables(kept["tunables"]).items() >= malloc.KEEP_FREED.items()
+    assert "glibc.rtld.nns=8" in kept["tunables"]
+    assert "keeping freed memory" in kept["malloc"]
+    assert kept["argv"] == ["--flag", "x y"]  # arguments survive the restart
+    assert kept["faults"] < pages // 100, kept["faults"]
+    # A reference child gets the environment the process started with, and glibc's default.
+    assert kept["default_environ"] == {**env, "OOD_JAX_MALLOC": "system"}
 
-    faults, tunables, rest = _child({"OOD_JAX_MALLOC": "system"})
-    assert tunables == "" and "glibc's default" in rest
-    assert faults > pages // 2, faults  # what the restart saves: every page faulted again
+    default, env = _child({"OOD_JAX_MALLOC": "system"})
+    assert default["tunables"] == "" and "glibc's default" in default["malloc"]
+    # What the restart saves: every page faulted in again.
+    assert default["faults"] > pages // 2, default["faults"]
+    assert default["default_environ"] == env
 
 
 def test_entry_point_restarts(tmp_path):
