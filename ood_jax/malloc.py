@@ -12,11 +12,12 @@ glibc reads these settings (`GLIBC_TUNABLES`) only when a process starts, so the
 command and the benchmarks restart themselves once with them set (`restart_keeping_freed_memory`).
 The cost is that the process keeps its peak heap until it exits, as GPU allocators do.
 `OOD_JAX_MALLOC=system` keeps the process as started; a malloc in `LD_PRELOAD` (jemalloc,
-tcmalloc, mimalloc) is left alone.
+tcmalloc, mimalloc) is left alone, and so is a process that will compute on a GPU or TPU.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import pathlib
 import platform
@@ -39,6 +40,7 @@ KEEP_FREED = {
 }
 HUGE_PAGES = {"glibc.malloc.hugetlb": "1"}
 HUGE_PAGES_SINCE = (2, 35)
+ACCELERATOR_PLUGINS = ("jax-cuda", "jax-rocm", "libtpu")
 
 
 def parse_tunables(value: str) -> dict[str, str]:
@@ -63,15 +65,29 @@ def thp_mode() -> str | None:
     return text[start + 1 : end] if 0 <= start < end else None
 
 
+def computes_on_cpu(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether JAX will run on the CPU: JAX_PLATFORMS says so, or no GPU/TPU plugin is installed.
+    On an accelerator the steps' buffers live in device memory, and one malloc arena would only
+    slow the input pipeline's threads."""
+    platforms = environ.get("JAX_PLATFORMS", "")
+    if platforms:
+        return platforms.split(",")[0].strip() == "cpu"
+    names = (d.metadata["Name"] or "" for d in importlib.metadata.distributions())
+    return not any(n.lower().replace("_", "-").startswith(ACCELERATOR_PLUGINS) for n in names)
+
+
 def restart_tunables(
-    environ: Mapping[str, str], libc: tuple[str, str], huge_page_mode: str | None
+    environ: Mapping[str, str], libc: tuple[str, str], huge_page_mode: str | None, on_cpu: bool
 ) -> str | None:
     """The GLIBC_TUNABLES value to restart under, or None when a restart would change nothing.
 
-    `libc` is `platform.libc_ver()`. Tunables the user set already are kept as they are.
+    `libc` is `platform.libc_ver()`, `on_cpu` `computes_on_cpu()`. Tunables the user set
+    already are kept as they are.
     """
     name, version = libc
     if environ.get(OPT_OUT_ENV) == OPT_OUT_VALUE or name != "glibc" or _preloaded_malloc(environ):
+        return None
+    if not on_cpu:
         return None
     present = parse_tunables(environ.get(TUNABLES_ENV, ""))
     wanted = dict(KEEP_FREED)
@@ -88,7 +104,7 @@ def restart_keeping_freed_memory() -> None:
     """Replaces this process with itself under `restart_tunables` (same pid, arguments and
     environment otherwise); returns when there is nothing to change. Call it first thing in an
     entry point, before anything has been allocated or written."""
-    tunables = restart_tunables(os.environ, platform.libc_ver(), thp_mode())
+    tunables = restart_tunables(os.environ, platform.libc_ver(), thp_mode(), computes_on_cpu())
     if tunables is None:
         return
     os.environ[BEFORE_ENV] = os.environ.get(TUNABLES_ENV, "")

@@ -38,20 +38,23 @@ print(json.dumps({
 
 
 def test_restart_sets_what_keeps_freed_memory():
-    tunables = malloc.restart_tunables({}, GLIBC, "madvise")
+    tunables = malloc.restart_tunables({}, GLIBC, "madvise", True)
     assert malloc.parse_tunables(tunables) == {**malloc.KEEP_FREED, **malloc.HUGE_PAGES}
 
 
 def test_huge_pages_only_asked_for_in_madvise_mode_and_recent_glibc():
     for mode in ("always", "never", None):
-        assert malloc.parse_tunables(malloc.restart_tunables({}, GLIBC, mode)) == malloc.KEEP_FREED
-    old = malloc.restart_tunables({}, ("glibc", "2.31"), "madvise")
+        assert (
+            malloc.parse_tunables(malloc.restart_tunables({}, GLIBC, mode, True))
+            == malloc.KEEP_FREED
+        )
+    old = malloc.restart_tunables({}, ("glibc", "2.31"), "madvise", True)
     assert malloc.parse_tunables(old) == malloc.KEEP_FREED
 
 
 def test_users_tunables_are_kept_and_completed():
     environ = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=4:glibc.rtld.nns=8"}
-    tunables = malloc.parse_tunables(malloc.restart_tunables(environ, GLIBC, "never"))
+    tunables = malloc.parse_tunables(malloc.restart_tunables(environ, GLIBC, "never", True))
     assert tunables["glibc.malloc.arena_max"] == "4"
     assert tunables["glibc.rtld.nns"] == "8"
     assert tunables["glibc.malloc.mmap_max"] == "0"
@@ -64,11 +67,17 @@ def test_users_tunables_are_kept_and_completed():
         ({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}, GLIBC),
         ({"LD_PRELOAD": "libfoo.so libtcmalloc_minimal.so.4"}, GLIBC),
         ({}, ("", "")),  # musl, macOS
-        ({"GLIBC_TUNABLES": malloc.restart_tunables({}, GLIBC, "madvise")}, GLIBC),
+        ({"GLIBC_TUNABLES": malloc.restart_tunables({}, GLIBC, "madvise", True)}, GLIBC),
     ],
 )
 def test_no_restart(environ, libc):
-    assert malloc.restart_tunables(environ, libc, "madvise") is None
+    assert malloc.restart_tunables(environ, libc, "madvise", True) is None
+
+
+def test_no_restart_when_jax_computes_on_an_accelerator():
+    assert malloc.restart_tunables({}, GLIBC, "madvise", on_cpu=False) is None
+    assert not malloc.computes_on_cpu({"JAX_PLATFORMS": "cuda,cpu"})
+    assert malloc.computes_on_cpu({"JAX_PLATFORMS": "cpu"})
 
 
 def _child(env_update):
@@ -116,5 +125,7 @@ def test_entry_point_restarts(tmp_path):
     out = subprocess.run(
         [sys.executable, str(script)], env=env, capture_output=True, text=True, check=True
     ).stdout.strip()
-    expected = malloc.restart_tunables(env, platform.libc_ver(), malloc.thp_mode())
+    expected = malloc.restart_tunables(
+        env, platform.libc_ver(), malloc.thp_mode(), malloc.computes_on_cpu(env)
+    )
     assert out == (expected or "")
