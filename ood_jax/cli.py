@@ -18,7 +18,7 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Sequence  # noqa: E402
 
-from ood_jax import config_files, files, help_text  # noqa: E402
+from ood_jax import config_files, files, help_text, multihost  # noqa: E402
 from ood_jax.data import convert_cityscapes, convert_nuscenes  # noqa: E402
 from ood_jax.detection import compare as compare_detectors  # noqa: E402
 from ood_jax.eval import cli as eval_cli  # noqa: E402
@@ -176,6 +176,18 @@ def _export(args: argparse.Namespace) -> None:
         batch_size=args.batch_size,
     )
     print(f"exported {args.workdir} -> {path}")
+
+
+def _launch(args: argparse.Namespace) -> None:
+    from ood_jax import launch
+
+    job = launch.Job(
+        processes=args.processes,
+        cpu_devices=args.cpu_devices,
+        port=args.port,
+        lost_after_s=args.lost_after,
+    )
+    raise SystemExit(launch.run(job, args.command))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -351,6 +363,41 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --format stablehlo: a fixed batch size (default: any, a symbolic batch)",
     )
     p.set_defaults(run=_export)
+
+    p = sub.add_parser(
+        "launch",
+        help="run an ood-jax command as N processes of one jax.distributed job on this machine",
+        description=help_text.fill(
+            "Starts COMMAND as N processes joined as on a cluster (multihost.py): the way to run "
+            "or debug a multi-host job on one machine. Process 0's output passes through, the "
+            "others' lines are prefixed [i]; SIGTERM and Ctrl-C reach every process."
+        ),
+        epilog=help_text.examples(
+            "ood-jax launch --processes 2 --cpu-devices 2 train "
+            "--config=configs/synthetic_detr.py:smoke --workdir=workdirs/smoke2x2",
+            "ood-jax launch --processes 2 evaluate --config=configs/synthetic_detr.py:smoke "
+            "--workdir=workdirs/smoke2x2",
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--processes", type=int, required=True, metavar="N")
+    p.add_argument(
+        "--cpu-devices",
+        type=int,
+        metavar="D",
+        help="simulate D CPU devices in each process (default: the machine's devices; GPUs "
+        "are shared out equally)",
+    )
+    p.add_argument("--port", type=int, help="the coordinator's port (default: a free one)")
+    p.add_argument(
+        "--lost-after",
+        type=float,
+        metavar="SECONDS",
+        help=f"a process silent this long is lost and the job stops (default "
+        f"{multihost.DEFAULT_LOST_AFTER_S:.0f}; {multihost.LOST_AFTER_ENV})",
+    )
+    p.add_argument("command", nargs=argparse.REMAINDER, help="an ood-jax command and its flags")
+    p.set_defaults(run=_launch)
 
     p = sub.add_parser(
         "demo",
@@ -585,12 +632,16 @@ def _train_or_evaluate(command: str, argv: Sequence[str]) -> None:
 
     from ood_jax.train import train
 
+    def show(text: str) -> None:  # once per job, not once per process
+        if multihost.is_primary():
+            print(text)
+
     if command == "pretrain":
         try:
             path = train.pretrain_stage(flag_values.config, flag_values.workdir)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
-        print(f"pretrained backbone: {path} (train on this workdir starts from it)")
+        show(f"pretrained backbone: {path} (train on this workdir starts from it)")
         return
     if command == "evaluate" and flag_values.corrupted:
         from ood_jax.train import evaluate_corrupted
@@ -598,11 +649,11 @@ def _train_or_evaluate(command: str, argv: Sequence[str]) -> None:
         evaluate_corrupted.evaluate_corrupted(
             flag_values.config, flag_values.workdir, flag_values.corrupted
         )
-        print((pathlib.Path(flag_values.workdir) / "results_corruptions.md").read_text())
+        show((pathlib.Path(flag_values.workdir) / "results_corruptions.md").read_text())
         return
     run = train.train_and_evaluate if command == "train" else train.evaluate
     run(flag_values.config, flag_values.workdir)
-    print((pathlib.Path(flag_values.workdir) / "results.md").read_text())
+    show((pathlib.Path(flag_values.workdir) / "results.md").read_text())
 
 
 # A user's mistake (a missing file, a bad value, an unknown name) surfaces as one of these, with
@@ -632,6 +683,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
     try:
+        if argv[:1] != ["launch"]:
+            multihost.initialize()  # a process of `ood-jax launch`, or of a job named likewise
         if argv and argv[0] in DETECTOR_COMMANDS:
             _train_or_evaluate(argv[0], argv[1:])
             return
@@ -641,6 +694,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         if debug:
             raise
         raise SystemExit(_error_line(e)) from None
+    except multihost.Preempted as e:
+        print(str(e), file=sys.stderr, flush=True)
+        raise SystemExit(multihost.PREEMPTED_EXIT_CODE) from None
+    except Exception as e:
+        multihost.stop_if_lost(e)  # a collective failed because a process is lost: says so
+        raise
     except KeyboardInterrupt as e:
         if debug:
             raise

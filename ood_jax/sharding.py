@@ -165,6 +165,49 @@ def start_global(
         yield queue.popleft()
 
 
+def process_rows(sharding: NamedSharding, global_batch: int) -> tuple[int, int]:
+    """[first, stop): the rows of a global batch this process feeds (`to_global_array`).
+
+    The input pipeline reads one global order and keeps these rows of each global batch, so the
+    examples of a step do not depend on how many processes share it. A mesh whose devices put
+    a process's rows apart (not one block) is refused.
+    """
+    indices = sharding.addressable_devices_indices_map((global_batch,)).values()
+    rows = sorted({(i[0].start or 0, global_batch if i[0].stop is None else i[0].stop) for i in indices})
+    first, stop = rows[0][0], rows[-1][1]
+    covered = sum(b - a for a, b in rows)
+    if covered != stop - first or (global_batch % (stop - first)):
+        raise ValueError(
+            f"config.mesh: process {jax.process_index()} holds rows {rows} of the batch, not one "
+            "block; order the mesh's devices by process"
+        )
+    return first, stop
+
+
+def process_allgather(tree: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every process's host arrays, concatenated along the first axis in process order.
+
+    64-bit integers (image ids) travel as pairs of 32-bit words: jax without x64 would cut
+    them to 32 bits on the way.
+    """
+    if jax.process_count() == 1:
+        return {name: np.asarray(value) for name, value in tree.items()}
+    wide = {
+        name: np.asarray(value).dtype
+        for name, value in tree.items()
+        if np.asarray(value).dtype.itemsize == 8 and not jax.config.jax_enable_x64
+    }
+    sent = {
+        name: np.ascontiguousarray(value).view(np.uint32) if name in wide else np.asarray(value)
+        for name, value in tree.items()
+    }
+    gathered = multihost_utils.process_allgather(sent, tiled=True)
+    return {
+        name: np.asarray(value).view(wide[name]) if name in wide else np.asarray(value)
+        for name, value in gathered.items()
+    }
+
+
 def to_host_local(array: jax.Array, sharding: NamedSharding) -> np.ndarray:
     """The rows of a global batch-sharded array that this host fed in, e.g. model outputs."""
     local = multihost_utils.global_array_to_host_local_array(array, sharding.mesh, sharding.spec)

@@ -39,6 +39,8 @@ LAYERS = (
         "ood_jax.prompts",
         "ood_jax.manifest",
         "ood_jax.malloc",
+        "ood_jax.multihost",
+        "ood_jax.launch",
     ),
 )
 

@@ -37,8 +37,15 @@ and a batch may straddle two. Hence the contract:
 
 A resume starts directly at the right epoch; within it, the records before the resume point are
 read and shuffled but, being skipped before parsing, never decoded or augmented. Changing the
-seed, split, batch size, shuffle buffer or process count changes the sequence. (A global TF seed,
+seed, split, batch size or shuffle buffer changes the sequence. (A global TF seed,
 `tf.random.set_seed`, also enters tf.data's shuffle and so must be the same on resume.)
+
+Several processes. Every process reads the one global order above and keeps its rows of each
+global batch (`rows`, `process_rows`); the others' records are skipped before parsing. So the
+global batch of a step holds the same examples, augmented the same way, whatever the number of
+processes: a pod run's data can be replayed on one machine. The price is that each process
+reads every record's bytes (not decodes: that stays split), as TFRecord files allow no random
+access. Evaluation splits its global batches the same way.
 
 Typical use, on every host:
 
@@ -49,8 +56,6 @@ Typical use, on every host:
 
 from __future__ import annotations
 
-import functools
-import operator
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -87,7 +92,7 @@ def default_config() -> ml_collections.ConfigDict:
     config.crop_prob = 0.5  # DETR picks crop-then-resize or plain resize with equal odds.
     config.crop_min_fraction = 0.5  # Crop sides are uniform in [this, 1] of the image's sides.
     config.max_boxes = 100  # Targets per image, padded or truncated; DETR's num_queries.
-    config.batch_size = 16  # Global; each host gets batch_size / process_count.
+    config.batch_size = 16  # Global; each process feeds its rows of it (`process_rows`).
     config.seed = 0
     config.shuffle_buffer = 1024  # Encoded examples held for shuffling.
     return config
@@ -125,36 +130,40 @@ def _checked(config: ml_collections.ConfigDict | None) -> ml_collections.ConfigD
 # ------------------------------------------------------------------------------------------------
 
 
-def _process(process_index: int | None, process_count: int | None) -> tuple[int, int]:
-    index = jax.process_index() if process_index is None else process_index
-    count = jax.process_count() if process_count is None else process_count
-    if not 0 <= index < count:
-        raise ValueError(f"process_index={index} is not in [0, process_count={count})")
-    return index, count
-
-
-def host_split(
-    split: str, process_index: int | None = None, process_count: int | None = None
-) -> tfds.typing.SplitArg:
-    """This host's part of TFDS split expression `split` (current JAX process by default).
-
-    Every "+" term is divided evenly on its own, rather than the concatenation as a whole, so
-    each host sees every domain of a multi-domain split. Parts differ by at most one example
-    per term; none is dropped.
-    """
-    index, count = _process(process_index, process_count)
-    if count == 1:
-        return split
-    parts = [tfds.even_splits(term.strip(), count)[index] for term in split.split("+")]
-    return functools.reduce(operator.add, parts)
-
-
-def local_batch_size(batch_size: int, process_count: int | None = None) -> int:
-    """Per-host share of the global `batch_size`."""
-    _, count = _process(0, process_count)
+def process_rows(batch_size: int) -> tuple[int, int]:
+    """[first, stop): the rows of each global batch of `batch_size` that this JAX process
+    feeds when the mesh lays processes out in order (`sharding.process_rows` reads them off
+    the mesh itself)."""
+    count = jax.process_count()
     if batch_size % count:
         raise ValueError(f"batch_size={batch_size} is not divisible by process_count={count}")
-    return batch_size // count
+    local = batch_size // count
+    return jax.process_index() * local, (jax.process_index() + 1) * local
+
+
+def _checked_rows(rows: tuple[int, int] | None, batch_size: int) -> tuple[int, int]:
+    first, stop = process_rows(batch_size) if rows is None else rows
+    if not 0 <= first < stop <= batch_size:
+        raise ValueError(f"rows=({first}, {stop}) are not rows of a batch of {batch_size}")
+    return first, stop
+
+
+def _keep_rows(
+    stream: tf.data.Dataset, rows: tuple[int, int], batch_size: int
+) -> tf.data.Dataset:
+    """The elements of `stream` that fall in rows [first, stop) of its consecutive batches."""
+    first, stop = rows
+    if (first, stop) == (0, batch_size):
+        return stream
+
+    def mine(index: tf.Tensor, element: Any) -> tf.Tensor:
+        row = index % batch_size
+        return (row >= first) & (row < stop)
+
+    def element(index: tf.Tensor, element: Any) -> Any:
+        return element
+
+    return stream.enumerate().filter(mine).map(element)
 
 
 def _file_instructions(
@@ -331,23 +340,21 @@ def train_dataset(
     config: ml_collections.ConfigDict | None = None,
     *,
     start_step: int = 0,
-    process_index: int | None = None,
-    process_count: int | None = None,
+    rows: tuple[int, int] | None = None,
 ) -> tf.data.Dataset:
-    """Endless training batches of this host's part of `split`, starting at step `start_step`.
+    """Endless training batches of `split`, starting at step `start_step`: rows [first, stop)
+    of each global batch (`rows`, by default this JAX process's share, `process_rows`).
 
-    See the module docstring for the resume contract; `process_*` default to JAX's.
+    See the module docstring for the resume contract.
     """
     c = _checked(config)
-    index, count = _process(process_index, process_count)
-    batch = local_batch_size(c.batch_size, count)
-    part = host_split(split, index, count)
-    instructions, num_examples = _file_instructions(builder, part)
+    rows = _checked_rows(rows, c.batch_size)
+    instructions, num_examples = _file_instructions(builder, split)
     if num_examples == 0:
-        raise ValueError(f"split {split!r} has no examples for process {index} of {count}")
+        raise ValueError(f"split {split!r} has no examples")
     if start_step < 0:
         raise ValueError(f"start_step={start_step} is negative")
-    first_epoch, offset = divmod(start_step * batch, num_examples)
+    first_epoch, offset = divmod(start_step * c.batch_size, num_examples)
     num_files = len(instructions)
 
     def epoch(e: tf.Tensor) -> tf.data.Dataset:
@@ -371,16 +378,15 @@ def train_dataset(
     def example(key: tf.Tensor, record: tf.Tensor) -> dict[str, tf.Tensor]:
         return _train_example(_decoded(builder, record), key, c)
 
+    stream = tf.data.Dataset.counter(first_epoch).flat_map(epoch).skip(offset)
     return (
-        tf.data.Dataset.counter(first_epoch)
-        .flat_map(epoch)
-        .skip(offset)
+        _keep_rows(stream, rows, c.batch_size)
         .map(
             example,
             num_parallel_calls=tf.data.AUTOTUNE,
             deterministic=True,
         )
-        .batch(batch, drop_remainder=True)
+        .batch(rows[1] - rows[0], drop_remainder=True)
         .prefetch(tf.data.AUTOTUNE)
     )
 
@@ -395,17 +401,9 @@ def train_iterator(
     return train_dataset(builder, split, config, **kwargs).as_numpy_iterator()
 
 
-def num_eval_batches(
-    builder: tfds.core.DatasetBuilder,
-    split: str,
-    batch_size: int,
-    process_count: int | None = None,
-) -> int:
-    """Batches every host runs over `split`: enough for the host with the most examples."""
-    _, count = _process(0, process_count)
-    batch = local_batch_size(batch_size, count)
-    most = max(builder.info.splits[host_split(split, i, count)].num_examples for i in range(count))
-    return -(-most // batch)
+def num_eval_batches(builder: tfds.core.DatasetBuilder, split: str, batch_size: int) -> int:
+    """Global batches of `batch_size` that cover `split`, the last one filled up."""
+    return -(-builder.info.splits[split].num_examples // batch_size)
 
 
 def eval_dataset(
@@ -413,32 +411,34 @@ def eval_dataset(
     split: str,
     config: ml_collections.ConfigDict | None = None,
     *,
-    process_index: int | None = None,
-    process_count: int | None = None,
+    rows: tuple[int, int] | None = None,
 ) -> tf.data.Dataset:
-    """This host's part of `split` in record order, unaugmented, in `num_eval_batches` batches.
+    """`split` in record order, unaugmented, in `num_eval_batches` batches: rows [first, stop)
+    of each global batch (`rows`, by default this JAX process's share).
 
-    The last batches are filled with all-zero dummies whose `valid` is False, so every batch has
-    the same shape and every host runs the same number of steps.
+    The last batch is filled with all-zero dummies whose `valid` is False, so every batch has
+    the same shape and every process runs the same number of steps.
     """
     c = _checked(config)
-    index, count = _process(process_index, process_count)
-    batch = local_batch_size(c.batch_size, count)
-    instructions, num_examples = _file_instructions(builder, host_split(split, index, count))
+    first, stop = rows = _checked_rows(rows, c.batch_size)
+    instructions, num_examples = _file_instructions(builder, split)
 
     def example(record: tf.Tensor) -> dict[str, tf.Tensor]:
         return _eval_example(_decoded(builder, record), c)
 
-    examples = _read(instructions, tf.range(len(instructions)), cycle=1).map(
+    records = _read(instructions, tf.range(len(instructions)), cycle=1)
+    examples = _keep_rows(records, rows, c.batch_size).map(
         example,
         num_parallel_calls=tf.data.AUTOTUNE,
         deterministic=True,
     )
+    full, rest = divmod(num_examples, c.batch_size)
+    mine = full * (stop - first) + min(max(rest - first, 0), stop - first)
+    fill = num_eval_batches(builder, split, c.batch_size) * (stop - first) - mine
     dummy = tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), examples.element_spec)
-    fill = num_eval_batches(builder, split, c.batch_size, count) * batch - num_examples
     return (
         examples.concatenate(tf.data.Dataset.from_tensors(dummy).repeat(fill))
-        .batch(batch, drop_remainder=True)
+        .batch(stop - first, drop_remainder=True)
         .prefetch(tf.data.AUTOTUNE)
     )
 

@@ -22,7 +22,6 @@ import ml_collections
 import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
-from jax.experimental import multihost_utils
 
 from ood_jax import boxes as box_lib
 from ood_jax import files, sharding
@@ -96,23 +95,23 @@ def evaluate_split(
     ground_truth = ground_truth or coco_ground_truth(builder, split)
     progress = _Progress(name, len(ground_truth.image_ids)) if name else None
     image_ids, boxes, scores, labels = [], [], [], []
+    rows = sharding.process_rows(data_sharding, input_config.batch_size)
     batches = sharding.start_global(
-        pipeline.eval_dataset(builder, split, input_config).as_numpy_iterator(),
+        pipeline.eval_dataset(builder, split, input_config, rows=rows).as_numpy_iterator(),
         data_sharding,
         host_keys=(*pipeline.HOST_ONLY_KEYS, "valid", "orig_size"),
     )
     for batch, host in batches:
         out = predict(batch)
         out = {k: sharding.to_host_local(v, data_sharding) for k, v in out.items()}
-        gathered = multihost_utils.process_allgather(
+        gathered = sharding.process_allgather(
             {
                 "valid": host["valid"],
                 "image_id": host["image_id"],
                 "boxes": pipeline.coco_boxes(out["boxes"], host["orig_size"]),
                 "scores": out["scores"],
                 "labels": out["labels"],
-            },
-            tiled=True,
+            }
         )
         keep = np.asarray(gathered["valid"], bool)
         image_ids.append(np.asarray(gathered["image_id"])[keep])

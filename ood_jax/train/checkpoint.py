@@ -24,7 +24,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 import tensorstore as ts
-from jax.experimental import multihost_utils
+
+from ood_jax import multihost
 
 FAILED_DIR = "checkpoints_failed"
 
@@ -159,9 +160,8 @@ class Checkpointer:
         if jax.process_index() == 0:
             self.failed_directory.mkdir(parents=True, exist_ok=True)
             shutil.move(str(self.directory / str(step)), str(target))
-        if jax.process_count() > 1:
-            # Every process restores from the same directory: none goes on before it is moved.
-            multihost_utils.sync_global_devices(f"checkpoint {step} moved aside")
+        # Every process restores from the same directory: none goes on before it is moved.
+        multihost.barrier(f"checkpoint {step} moved aside")
         return target
 
     def wait(self) -> None:

@@ -20,11 +20,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 from flax import serialization
 
 from ood_jax import boxes as box_lib
-from ood_jax import files
+from ood_jax import files, multihost
 from ood_jax.data import pipeline
 from ood_jax.models import backbones
 from ood_jax import sharding
@@ -94,13 +95,17 @@ def pretrain_backbone(
     input_config.seed = config.seed + 1
     input_config.batch_size = config.pretrain.batch_size
     fields = ("image", "image_mask", "image_size", "boxes", "labels", "box_mask")
-    host_batches = pipeline.train_iterator(builder, split, input_config)
+    rows = sharding.process_rows(data_sharding, input_config.batch_size)
+    host_batches = pipeline.train_iterator(builder, split, input_config, rows=rows)
     batches = sharding.start_global(
         ({k: batch[k] for k in fields} for batch in host_batches), data_sharding
     )
 
     size = config.input.image_size
-    variables = model.init(jax.random.key(config.seed), jnp.zeros((1, size, size, 3)), False)
+    # Born replicated over the mesh (every process's devices), as the train step wants them.
+    replicated = sharding.replicated(mesh)
+    init = functools.partial(model.init, images=jnp.zeros((1, size, size, 3)), train=False)
+    variables = jax.jit(init, out_shardings=replicated)(jax.random.key(config.seed))
     params, model_state = variables["params"], {k: v for k, v in variables.items() if k != "params"}
     steps = config.pretrain.steps
     warmup = max(1, min(50, steps // 5))
@@ -108,7 +113,7 @@ def pretrain_backbone(
         optax.warmup_cosine_decay_schedule(0.0, config.pretrain.lr, warmup, max(steps, warmup + 1)),
         weight_decay=1e-4,
     )
-    opt_state = optimizer.init(params)
+    opt_state = jax.jit(optimizer.init, out_shardings=replicated)(params)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
     def step(params, model_state, opt_state, batch):
@@ -145,6 +150,9 @@ def pretrain_backbone(
     backbone_variables = {"params": params["backbone"]}
     if "batch_stats" in model_state:
         backbone_variables["batch_stats"] = model_state["batch_stats"]["backbone"]
-    return files.write_atomic(
-        out_path, serialization.msgpack_serialize(jax.device_get(backbone_variables))
-    )
+    # Replicated: each process holds the whole of it; one writes, the others wait for the file.
+    host_variables = jax.tree.map(np.asarray, backbone_variables)
+    if jax.process_index() == 0:
+        files.write_atomic(out_path, serialization.msgpack_serialize(host_variables))
+    multihost.barrier(f"pretrained backbone written to {out_path}")
+    return out_path

@@ -64,7 +64,7 @@ from absl import logging
 from clu import metric_writers, periodic_actions
 from flax import linen as nn
 
-from ood_jax import datasets, files, manifest, sharding
+from ood_jax import datasets, files, manifest, multihost, sharding
 from ood_jax.data import counts, pipeline
 from ood_jax.detection import evaluation
 from ood_jax.metrics import coco
@@ -165,6 +165,8 @@ class CompiledOnFirstCall:
                 print(f"compiling the {self.what} ...", flush=True)
             started = time.perf_counter()
             self._compiled = self._jitted.lower(*args).compile()
+            # Every process starts running it together (see multihost.barrier).
+            multihost.barrier(f"compiled the {self.what}")
             self.compile_seconds = time.perf_counter() - started
             if _is_primary():
                 print(f"compiled the {self.what} in {self.compile_seconds:.1f} s", flush=True)
@@ -378,8 +380,7 @@ class Experiment(StepLayout):
 def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> Experiment:
     """Mesh, data, model, optimizer and the state's layout; no parameters are created."""
     config_checks.check_numbers(config)
-    if config.get("distributed", False):
-        jax.distributed.initialize()
+    multihost.initialize(cluster=config.get("distributed", False))
     # tf.data must not grab accelerators meant for JAX.
     tf.config.set_visible_devices([], "GPU")
 
@@ -690,7 +691,11 @@ def _train_and_evaluate(
     train_input.seed = config.seed
     batches = sharding.start_global(
         pipeline.train_iterator(
-            experiment.builder, experiment.splits["train"], train_input, start_step=start_step
+            experiment.builder,
+            experiment.splits["train"],
+            train_input,
+            start_step=start_step,
+            rows=sharding.process_rows(experiment.data_sharding, train_input.batch_size),
         ),
         experiment.data_sharding,
         host_keys=pipeline.HOST_ONLY_KEYS,
@@ -717,6 +722,7 @@ def _train_and_evaluate(
     # ----------------------------------------------------------------------------------------
     # Train.
     # ----------------------------------------------------------------------------------------
+    multihost.catch_preemption()
     pending: list[dict[str, jax.Array]] = []
     started = time.perf_counter()
     try:
@@ -763,7 +769,13 @@ def _train_and_evaluate(
                 record_evaluation(step, evaluated)
                 writer.write_scalars(step, {"eval/iid_AP": evaluated["iid"].stats["AP"]})
 
-            ckpt.save(step, state, meta, force=step == config.total_steps)
+            # Asked at every step, as JAX's preemption sync point requires; every process
+            # gets the same answer for the same step.
+            preempted = multihost.preempted(step)
+            ckpt.save(step, state, meta, force=step == config.total_steps or preempted)
+            if preempted:
+                ckpt.wait()
+                raise multihost.Preempted(multihost.preempted_line(step, workdir))
     except KeyboardInterrupt:
         raise KeyboardInterrupt(keep_on_interrupt(ckpt, state, meta, workdir)) from None
     ckpt.wait()

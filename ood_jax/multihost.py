@@ -1,0 +1,237 @@
+"""Several processes, one job: joining it, noticing a lost process, and stopping for preemption.
+
+A job is joined (`initialize`) when the environment names one, as `ood-jax launch` and
+`launch/local.sh --processes N` do (`JAX_COORDINATOR_ADDRESS`, `OOD_JAX_NUM_PROCESSES`,
+`OOD_JAX_PROCESS_ID`), or when a config asks for it (`config.distributed`), in which case JAX
+finds the job in the cluster's own variables (SLURM, TPU pods, Open MPI, Kubernetes).
+
+JAX stops every process with a fatal error when the coordinator (process 0) is lost, but when
+another process dies the others see a failed collective at once, or nothing at all while they
+read data, and JAX's own heartbeat ends them only after its timeout, with a core dump. So each
+process beats in the coordinator's key-value store and watches the others' beats: a process
+silent for `OOD_JAX_LOST_AFTER_S` seconds (default 60) is named in one line by each of the
+others, which then exit with `LOST_EXIT_CODE`. The workdir keeps its newest checkpoint; the
+same command resumes from it.
+
+Preemption: SLURM and TPU maintenance send SIGTERM. With several processes, JAX's preemption
+sync point tells every process the same step at which to save (`preempted`); one process
+alone catches SIGTERM itself. Either way the run saves that step and exits with
+`PREEMPTED_EXIT_CODE`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import sys
+import threading
+import time
+
+import jax
+from jax.experimental import multihost_utils
+
+COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"  # JAX's own name for it
+NUM_PROCESSES_ENV = "OOD_JAX_NUM_PROCESSES"
+PROCESS_ID_ENV = "OOD_JAX_PROCESS_ID"
+LOST_AFTER_ENV = "OOD_JAX_LOST_AFTER_S"
+DEFAULT_LOST_AFTER_S = 60.0
+
+LOST_EXIT_CODE = 75  # EX_TEMPFAIL: rerunning the same command resumes
+PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, as the shell reports a terminated process
+
+_BEAT_S = 1.0
+_KEY = "ood_jax/heartbeat/"
+_DONE = "done"
+
+_watchdog: _Watchdog | None = None
+_sigterm = threading.Event()
+
+
+def initialize(*, cluster: bool = False) -> None:
+    """Joins the job the environment names, or with `cluster` the one JAX detects; a single
+    process otherwise. Call it before any JAX computation; later calls do nothing."""
+    if jax.distributed.is_initialized():
+        return
+    named = os.environ.get(NUM_PROCESSES_ENV)
+    if named is None and not cluster:
+        return
+    lost_after_s = lost_after_seconds()
+    # JAX's heartbeat must outlast the watchdog's, or JAX ends the processes first, with a
+    # core dump instead of a line naming the lost process.
+    timeouts = {
+        "heartbeat_timeout_seconds": int(lost_after_s) + 30,
+        "shutdown_timeout_seconds": int(lost_after_s) + 30,
+    }
+    if named is None:
+        jax.distributed.initialize(**timeouts)
+    else:
+        jax.distributed.initialize(
+            coordinator_address=_required(COORDINATOR_ENV),
+            num_processes=_integer(NUM_PROCESSES_ENV, minimum=1),
+            process_id=_integer(PROCESS_ID_ENV, minimum=0),
+            **timeouts,
+        )
+    if jax.process_count() == 1:
+        return
+    global _watchdog
+    _watchdog = _Watchdog(lost_after_s)
+    _watchdog.start()
+    # Registered after jax.distributed's own exit handler, so it runs first: a process that
+    # ends normally says so before the shutdown barrier, and is never taken for lost.
+    atexit.register(_watchdog.stop)
+
+
+def is_primary() -> bool:
+    return jax.process_index() == 0
+
+
+def barrier(name: str, timeout_s: float = 6 * 3600) -> None:
+    """Waits until every process of the job is here; nothing with one process.
+
+    Through the coordination service rather than a collective: a process that reaches a
+    program's first collective much later than the others (it compiled instead of reading the
+    compilation cache) would fail their collective library's setup, which waits 30 s.
+    A lost process ends the wait through the watchdog, hence the long default timeout.
+    """
+    if _watchdog is None:
+        return
+    global _barriers
+    _barriers += 1
+    _watchdog.client.wait_at_barrier(f"ood_jax/{_barriers}/{name}", int(timeout_s * 1000))
+
+
+_barriers = 0
+
+
+def lost_after_seconds() -> float:
+    value = os.environ.get(LOST_AFTER_ENV)
+    if value is None:
+        return DEFAULT_LOST_AFTER_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{LOST_AFTER_ENV}={value!r}: expected a positive number of seconds")
+    return seconds
+
+
+def _required(name: str) -> str:
+    value = os.environ.get(name)
+    if not value:
+        raise ValueError(f"{NUM_PROCESSES_ENV} is set, so {name} must name the coordinator")
+    return value
+
+
+def _integer(name: str, minimum: int) -> int:
+    value = os.environ.get(name, "")
+    if not value.isdigit() or int(value) < minimum:
+        raise ValueError(f"{name}={value!r}: expected an integer >= {minimum}")
+    return int(value)
+
+
+# ------------------------------------------------------------------------------------------------
+# Lost processes.
+# ------------------------------------------------------------------------------------------------
+
+
+class _Watchdog(threading.Thread):
+    """Beats every second in the coordinator's key-value store and reads the others' beats."""
+
+    def __init__(self, lost_after_s: float):
+        super().__init__(name="ood-jax-watchdog", daemon=True)
+        from jax._src import distributed  # the client JAX connected; no public accessor
+
+        self.client = distributed.global_state.client
+        self.lost_after_s = lost_after_s
+        self.me, self.count = jax.process_index(), jax.process_count()
+        self.verdict = threading.Event()
+        self.line = ""
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        beat = 0
+        seen = {p: ("", time.monotonic()) for p in range(self.count) if p != self.me}
+        while not self._stopped.wait(_BEAT_S):
+            beat += 1
+            self.client.key_value_set(_KEY + str(self.me), str(beat), allow_overwrite=True)
+            now = time.monotonic()
+            for process, (last, since) in seen.items():
+                try:
+                    value = self.client.key_value_try_get(_KEY + str(process))
+                except Exception:  # not written yet: it has not started beating
+                    value = ""
+                if value == _DONE:
+                    continue
+                if value != last:
+                    seen[process] = (value, now)
+                elif now - since > self.lost_after_s and not self._stopped.is_set():
+                    self._lose(process, now - since)
+                    return
+
+    def _lose(self, process: int, silent_s: float) -> None:
+        self.line = (
+            f"error: process {process} of {self.count} is lost (no heartbeat for "
+            f"{silent_s:.0f} s); process {self.me} stops too. The workdir keeps its newest "
+            "checkpoint: rerun the same command on every process to resume"
+        )
+        self.verdict.set()
+        # From this thread: the main thread may be anywhere, a collective included.
+        _exit_lost(self.line)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        try:
+            self.client.key_value_set(_KEY + str(self.me), _DONE, allow_overwrite=True)
+        except Exception as error:  # the coordinator is gone: nothing to tell it
+            print(f"warning: could not tell the coordinator this process ended: {error}",
+                  file=sys.stderr)
+
+
+def _exit_lost(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    # Not sys.exit: JAX's exit handler would wait at a shutdown barrier for the lost process.
+    os._exit(LOST_EXIT_CODE)
+
+
+def stop_if_lost(error: BaseException) -> None:
+    """After `error` in the main thread of a job of several processes: when it is a failed
+    collective (a peer died mid-step), waits for the watchdog to name the lost process and
+    exits saying so. Returns when no process is lost, so `error` is reported as usual."""
+    if _watchdog is not None and isinstance(error, jax.errors.JaxRuntimeError):
+        # The watchdog's thread ends the process when it names the lost one.
+        _watchdog.verdict.wait(_watchdog.lost_after_s + 5 * _BEAT_S)
+
+
+# ------------------------------------------------------------------------------------------------
+# Preemption.
+# ------------------------------------------------------------------------------------------------
+
+
+def catch_preemption() -> None:
+    """From now on SIGTERM asks for a save (`preempted`) rather than ending the process. JAX's
+    preemption service catches it in a job of several processes; one process alone catches it
+    here (only the main thread may set a handler: a call from another thread does nothing)."""
+    if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: _sigterm.set())
+
+
+class Preempted(Exception):
+    """Training saved the step at which SIGTERM stopped it; the message says so."""
+
+
+def preempted(step: int) -> bool:
+    """Whether the run should save `step` and stop because SIGTERM arrived: on every process
+    the same step (JAX's preemption sync point, which each process must ask at every step)."""
+    if jax.process_count() > 1:
+        return multihost_utils.reached_preemption_sync_point(step)
+    return _sigterm.is_set()
+
+
+def preempted_line(step: int, workdir: os.PathLike | str) -> str:
+    return (
+        f"preempted: SIGTERM received; step {step} is saved in {workdir} on every process. "
+        "Rerun the same command to resume"
+    )
