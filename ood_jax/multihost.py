@@ -185,8 +185,10 @@ class _Watchdog(threading.Thread):
         try:
             self.client.key_value_set(_KEY + str(self.me), _DONE, allow_overwrite=True)
         except Exception as error:  # the coordinator is gone: nothing to tell it
-            print(f"warning: could not tell the coordinator this process ended: {error}",
-                  file=sys.stderr)
+            print(
+                f"warning: could not tell the coordinator this process ended: {error}",
+                file=sys.stderr,
+            )
 
 
 def _exit_lost(line: str) -> None:

@@ -173,7 +173,9 @@ def process_rows(sharding: NamedSharding, global_batch: int) -> tuple[int, int]:
     a process's rows apart (not one block) is refused.
     """
     indices = sharding.addressable_devices_indices_map((global_batch,)).values()
-    rows = sorted({(i[0].start or 0, global_batch if i[0].stop is None else i[0].stop) for i in indices})
+    rows = sorted(
+        {(i[0].start or 0, global_batch if i[0].stop is None else i[0].stop) for i in indices}
+    )
     first, stop = rows[0][0], rows[-1][1]
     covered = sum(b - a for a, b in rows)
     if covered != stop - first or (global_batch % (stop - first)):

@@ -148,9 +148,7 @@ def _checked_rows(rows: tuple[int, int] | None, batch_size: int) -> tuple[int, i
     return first, stop
 
 
-def _keep_rows(
-    stream: tf.data.Dataset, rows: tuple[int, int], batch_size: int
-) -> tf.data.Dataset:
+def _keep_rows(stream: tf.data.Dataset, rows: tuple[int, int], batch_size: int) -> tf.data.Dataset:
     """The elements of `stream` that fall in rows [first, stop) of its consecutive batches."""
     first, stop = rows
     if (first, stop) == (0, batch_size):

@@ -1,0 +1,280 @@
+"""Several processes on this machine (`ood-jax launch`, JAX's CPU collectives over 127.0.0.1),
+as a SLURM or TPU-pod job runs them:
+
+* 2 processes x 2 devices train DETR's smoke config, checkpoint and evaluate; a 1-process
+  `ood-jax evaluate` of the same checkpoint writes the same results.json and matches.npz, and a
+  1-process `ood-jax export` reads the checkpoint they wrote together;
+* SIGTERM to every process (a preemption) saves the same step on each; the rerun resumes and
+  ends where the uninterrupted run ends, loss for loss and parameter for parameter;
+* 1 process x 4 devices trains on the same examples at each step: the same first losses;
+* a process killed with SIGKILL is named by the other, which stops.
+
+The runs share one dataset and one compilation cache, and compare with one uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import tensorflow as tf
+
+from ood_jax import datasets, multihost
+from ood_jax.train import selection
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CONFIG = f"--config={REPO / 'configs' / 'synthetic_detr.py'}:smoke"
+STEPS = 4
+LOSS_LINE = re.compile(r"^step (\d+)/(\d+)\s+loss (\S+)", re.MULTILINE)
+HANG_GUARD_S = 600  # a wedged job fails the test instead of stalling the suite
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tfds")
+    datasets.build("synthetic_shifts", str(path), config="tiny")
+    return path
+
+
+def environ(compile_cache: str, devices: int | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["JAX_COMPILATION_CACHE_DIR"] = compile_cache
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    for name in (multihost.NUM_PROCESSES_ENV, multihost.PROCESS_ID_ENV):
+        env.pop(name, None)
+    if devices is not None:
+        env["JAX_PLATFORMS"] = "cpu"
+        flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+        env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+    return env
+
+
+def train_args(workdir: pathlib.Path, data_dir: pathlib.Path) -> list[str]:
+    return [
+        "train",
+        CONFIG,
+        f"--workdir={workdir}",
+        f"--config.dataset.data_dir={data_dir}",
+        f"--config.total_steps={STEPS}",
+        "--config.checkpoint_every=2",
+        "--config.log_every=1",
+        # Smaller images than the smoke config's: the runs here check agreement, not learning.
+        "--config.input.image_size=64",
+        "--config.input.scales=(48, 64)",
+    ]
+
+
+def launch_command(args: list[str], lost_after: float | None = None) -> list[str]:
+    command = [sys.executable, "-m", "ood_jax", "launch", "--processes", "2", "--cpu-devices", "2"]
+    if lost_after is not None:
+        command += ["--lost-after", str(lost_after)]
+    return command + args
+
+
+def run(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        command, env=env, cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return done
+
+
+def logged_losses(workdir: pathlib.Path) -> dict[int, float]:
+    """The float32 losses of every logged step, from the run's TensorBoard events."""
+    found = {}
+    for path in sorted((workdir / "tensorboard").glob("events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            for value in event.summary.value:
+                if value.tag == "loss":
+                    found[event.step] = float(tf.make_ndarray(value.tensor))
+    return found
+
+
+def flat(tree) -> dict[str, np.ndarray]:
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
+
+
+def read_state(workdir: pathlib.Path, step: int) -> dict[str, np.ndarray]:
+    """A checkpoint's train state as host arrays, whatever devices wrote it."""
+    path = workdir / "checkpoints" / str(step) / "state"
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        tree = checkpointer.metadata(path).item_metadata.tree
+        as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+        return flat(checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy)))
+
+
+def checkpoint_steps(workdir: pathlib.Path) -> list[int]:
+    directory = workdir / "checkpoints"
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+@pytest.fixture(scope="module")
+def two_by_two(tmp_path_factory, data_dir, compile_cache):
+    """An uninterrupted run of 2 processes x 2 devices, with a periodic evaluation."""
+    workdir = tmp_path_factory.mktemp("two_by_two")
+    command = launch_command([*train_args(workdir, data_dir), "--config.eval_every=2"])
+    started = time.perf_counter()
+    done = run(command, environ(compile_cache))
+    print(f"\n2 x 2 run: {time.perf_counter() - started:.0f} s\n{done.stdout}")
+    return {"workdir": workdir, "stdout": done.stdout, "losses": logged_losses(workdir)}
+
+
+# ------------------------------------------------------------------------------------------------
+# Training, checkpoints and evaluation agree with one process.
+# ------------------------------------------------------------------------------------------------
+
+
+def test_one_process_evaluates_the_checkpoint_as_two_did(
+    two_by_two, data_dir, compile_cache, tmp_path
+):
+    trained = two_by_two["workdir"]
+    assert sorted(two_by_two["losses"]) == list(range(1, STEPS + 1))
+    assert checkpoint_steps(trained) == [1, 2, 4]  # orbax saves the first step too
+    assert [r["step"] for r in selection.read_evaluations(trained)] == [2, STEPS]
+    # Only process 0 writes the results and prints them.
+    assert two_by_two["stdout"].count("Results at step") == 1
+
+    workdir = tmp_path / "evaluated"
+    shutil.copytree(trained, workdir)
+    (workdir / "results.json").unlink()
+    (workdir / "matches.npz").unlink()
+    evaluate = [sys.executable, "-m", "ood_jax", "evaluate", *train_args(workdir, data_dir)[1:]]
+    run(evaluate, environ(compile_cache, devices=4))
+
+    one = json.loads((workdir / "results.json").read_text())
+    two = json.loads((trained / "results.json").read_text())
+    assert one == two
+    ones, twos = np.load(workdir / "matches.npz"), np.load(trained / "matches.npz")
+    assert ones.files == twos.files
+    assert any(name.endswith(".score") and twos[name].size for name in twos.files)
+    for name in twos.files:
+        np.testing.assert_array_equal(ones[name], twos[name], err_msg=name)
+
+
+def test_one_process_exports_what_two_processes_saved(two_by_two, compile_cache, tmp_path):
+    from ood_jax.models import exported
+
+    out = tmp_path / "exported.msgpack"
+    export = [sys.executable, "-m", "ood_jax", "export", "--workdir", str(two_by_two["workdir"])]
+    run([*export, "--out", str(out)], environ(compile_cache, devices=1))
+    written = flat(exported.load_exported(out).variables["params"])
+    saved = read_state(two_by_two["workdir"], STEPS)
+    assert written
+    for name, value in written.items():
+        np.testing.assert_array_equal(value, saved["['params']" + name], err_msg=name)
+
+
+# ------------------------------------------------------------------------------------------------
+# The examples of a step do not depend on the process count.
+# ------------------------------------------------------------------------------------------------
+
+
+def test_one_process_of_four_devices_trains_on_the_same_examples(
+    two_by_two, data_dir, compile_cache, tmp_path
+):
+    workdir = tmp_path / "one_by_four"
+    command = [sys.executable, "-m", "ood_jax", *train_args(workdir, data_dir)]
+    run([*command, "--config.total_steps=3"], environ(compile_cache, devices=4))
+    one, two = logged_losses(workdir), two_by_two["losses"]
+    assert sorted(one) == [1, 2, 3]
+    # The same examples give the same losses but for the float32 rounding of cross-device sums
+    # (in-process vs. collectives between processes), which Adam's first steps amplify (3e-5
+    # by step 3, 1e-3 by step 6, 1e-2 by step 20 measured); data of other examples would
+    # change the first loss in the second digit.
+    for step in (1, 2):
+        np.testing.assert_allclose(one[step], two[step], rtol=2e-6, err_msg=f"step {step}")
+    np.testing.assert_allclose(one[3], two[3], rtol=5e-4, err_msg="step 3")
+
+
+# ------------------------------------------------------------------------------------------------
+# Faults: preemption (SIGTERM to every process) and a lost process (SIGKILL to one).
+# ------------------------------------------------------------------------------------------------
+
+
+def wait_for_line(child: subprocess.Popen, pattern: str, log: list[str]) -> None:
+    for line in child.stdout:
+        log.append(line)
+        if re.search(pattern, line):
+            return
+    raise AssertionError(f"the job ended before {pattern!r}:\n{''.join(log)[-4000:]}")
+
+
+def test_preempted_job_saves_one_step_and_resumes_as_if_uninterrupted(
+    two_by_two, data_dir, compile_cache, tmp_path
+):
+    workdir = tmp_path / "preempted"
+    command = launch_command(train_args(workdir, data_dir))
+    env = environ(compile_cache)
+    log: list[str] = []
+    child = subprocess.Popen(
+        command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        wait_for_line(child, r"^step 1/", log)
+        child.send_signal(signal.SIGTERM)  # the launcher sends it on to every process
+        rest, _ = child.communicate(timeout=HANG_GUARD_S)
+    finally:
+        child.kill()
+    output = "".join(log) + rest
+    assert child.returncode == multihost.PREEMPTED_EXIT_CODE, output[-4000:]
+    saved = re.findall(r"preempted: SIGTERM received; step (\d+) is saved", output)
+    assert len(saved) == 2 and len(set(saved)) == 1, output[-4000:]
+    step = int(saved[0])
+    assert 1 <= step < STEPS and checkpoint_steps(workdir)[-1] == step
+    assert not (workdir / "results.json").exists()
+
+    resumed = run(command, env)
+    assert f"Resumed from step {step}" in resumed.stdout
+    losses, uninterrupted = logged_losses(workdir), two_by_two["losses"]
+    after = [s for s in losses if s > step]
+    assert after == list(range(step + 1, STEPS + 1))
+    assert {s: losses[s] for s in after} == {s: uninterrupted[s] for s in after}
+    final, expected = read_state(workdir, STEPS), read_state(two_by_two["workdir"], STEPS)
+    assert final.keys() == expected.keys()
+    for name in expected:
+        np.testing.assert_array_equal(final[name], expected[name], err_msg=name)
+
+
+def test_a_killed_process_is_named_by_the_other_which_stops(data_dir, compile_cache, tmp_path):
+    workdir = tmp_path / "lost"
+    command = launch_command(train_args(workdir, data_dir), lost_after=5)
+    log: list[str] = []
+    child = subprocess.Popen(
+        command,
+        env=environ(compile_cache),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_for_line(child, r"^step 1/", log)
+        children = pathlib.Path(f"/proc/{child.pid}/task/{child.pid}/children").read_text()
+        processes = [int(pid) for pid in children.split()]
+        assert len(processes) == 2
+        killed_at = time.monotonic()
+        os.kill(processes[1], signal.SIGKILL)
+        rest, _ = child.communicate(timeout=HANG_GUARD_S)
+        stopped_after = time.monotonic() - killed_at
+    finally:
+        child.kill()
+    output = "".join(log) + rest
+    assert "error: process 1 of 2 is lost" in output, output[-4000:]
+    assert "launch: process 0 exited with 75, process 1 was killed by SIGKILL" in output
+    assert child.returncode == multihost.LOST_EXIT_CODE
+    print(f"process 0 stopped {stopped_after:.1f} s after process 1 was killed")
