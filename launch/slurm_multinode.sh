@@ -70,7 +70,9 @@ mkdir -p "$workdir"
 echo "job $SLURM_JOB_ID: $SLURM_JOB_NUM_NODES nodes ($SLURM_JOB_NODELIST), $SLURM_NTASKS processes"
 echo "train: $config -> $workdir $*"
 
-# --kill-on-bad-exit: one failed process would leave the others waiting in a collective forever.
+# --kill-on-bad-exit: when one process fails, the others stop at once rather than after
+# OOD_JAX_LOST_AFTER_S (ood_jax/multihost.py). scancel and preemption send SIGTERM: every process
+# saves the same step and exits 143; resubmitting the same command resumes from it.
 # --cpu-bind=none: the input pipeline's tf.data threads should use all of the task's cores.
 srun --kill-on-bad-exit=1 --cpu-bind=none \
     ood-jax train --config="$config" --workdir="$workdir" --config.distributed=True "$@"

@@ -6,7 +6,7 @@ between processes here. On CPU, `cpu_devices` gives each process that many simul
 with GPUs, each process takes an equal share of them.
 
 Process 0's output passes through as it is; the others' lines are prefixed "[i] ". SIGTERM and
-SIGINT to the launcher go to every process (a preemption, as SLURM sends it). The launcher
+SIGINT (Ctrl-C) to the launcher reach every process as SIGTERM: a preemption, as SLURM sends it. The launcher
 waits for all of them (a lost process is named by the others, `multihost`), then exits with
 the first nonzero code in process order, 0 when all succeeded.
 """
@@ -102,6 +102,8 @@ def run(job: Job, command: Sequence[str]) -> int:
             stderr=subprocess.STDOUT,
             text=True,
             bufsize=1,
+            # Their own process group: a Ctrl-C at the terminal reaches the launcher alone.
+            process_group=0,
         )
         children.append(child)
         relay = threading.Thread(
@@ -111,9 +113,11 @@ def run(job: Job, command: Sequence[str]) -> int:
         relays.append(relay)
 
     def forward(signum, frame):
+        # SIGTERM either way: a preemption, at which every process saves the same step. A
+        # Ctrl-C would stop each process at its own step, where no checkpoint can be saved.
         for child in children:
             if child.poll() is None:
-                child.send_signal(signum)
+                child.send_signal(signal.SIGTERM)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:

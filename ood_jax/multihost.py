@@ -22,11 +22,13 @@ alone catches SIGTERM itself. Either way the run saves that step and exits with
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import jax
 from jax.experimental import multihost_utils
@@ -212,12 +214,26 @@ def stop_if_lost(error: BaseException) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def catch_preemption() -> None:
-    """From now on SIGTERM asks for a save (`preempted`) rather than ending the process. JAX's
-    preemption service catches it in a job of several processes; one process alone catches it
-    here (only the main thread may set a handler: a call from another thread does nothing)."""
-    if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda signum, frame: _sigterm.set())
+@contextlib.contextmanager
+def catching_preemption() -> Iterator[None]:
+    """Within it SIGTERM asks for a save (`preempted`) rather than ending the process.
+
+    JAX's preemption service catches SIGTERM in a job of several processes; one process alone
+    catches it here, and a SIGTERM no step answered is raised again on the way out. Only the
+    main thread may set a handler: called from another thread, nothing changes.
+    """
+    if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _sigterm.clear()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: _sigterm.set())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if _sigterm.is_set():
+            _sigterm.clear()
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Preempted(Exception):

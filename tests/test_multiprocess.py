@@ -1,13 +1,13 @@
 """Several processes on this machine (`ood-jax launch`, JAX's CPU collectives over 127.0.0.1),
 as a SLURM or TPU-pod job runs them:
 
-* 2 processes x 2 devices train DETR's smoke config, checkpoint and evaluate; a 1-process
-  `ood-jax evaluate` of the same checkpoint writes the same results.json and matches.npz, and a
-  1-process `ood-jax export` reads the checkpoint they wrote together;
-* SIGTERM to every process (a preemption) saves the same step on each; the rerun resumes and
-  ends where the uninterrupted run ends, loss for loss and parameter for parameter;
+* 2 processes x 2 devices pretrain the backbone, train DETR's smoke config, checkpoint and
+  evaluate; a 1-process `ood-jax evaluate` of the same checkpoint writes the same results.json
+  and matches.npz, and a 1-process `ood-jax export` reads the checkpoint they wrote together;
 * 1 process x 4 devices trains on the same examples at each step: the same first losses;
-* a process killed with SIGKILL is named by the other, which stops.
+* a process killed with SIGKILL is named by the other, which stops; SIGTERM to every process
+  (a preemption) saves the same step on each; the reruns resume and end where the
+  uninterrupted run ends, loss for loss and parameter for parameter.
 
 The runs share one dataset and one compilation cache, and compare with one uninterrupted run.
 """
@@ -31,7 +31,7 @@ import pytest
 import tensorflow as tf
 
 from ood_jax import datasets, multihost
-from ood_jax.train import selection
+from ood_jax.train import selection, train
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = f"--config={REPO / 'configs' / 'synthetic_detr.py'}:smoke"
@@ -73,6 +73,9 @@ def train_args(workdir: pathlib.Path, data_dir: pathlib.Path) -> list[str]:
         # Smaller images than the smoke config's: the runs here check agreement, not learning.
         "--config.input.image_size=64",
         "--config.input.scales=(48, 64)",
+        # The backbone's own stage first (the runs below start from this run's backbone).
+        "--config.pretrain.steps=2",
+        "--config.pretrain.batch_size=8",
     ]
 
 
@@ -125,9 +128,13 @@ def checkpoint_steps(workdir: pathlib.Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def two_by_two(tmp_path_factory, data_dir, compile_cache):
-    """An uninterrupted run of 2 processes x 2 devices, with a periodic evaluation."""
+    """An uninterrupted run of 2 processes x 2 devices: backbone pretraining, then training
+    with a periodic evaluation."""
     workdir = tmp_path_factory.mktemp("two_by_two")
-    command = launch_command([*train_args(workdir, data_dir), "--config.eval_every=2"])
+    pretraining = ["--config.pretrain.steps=2", "--config.pretrain.batch_size=8"]
+    command = launch_command(
+        [*train_args(workdir, data_dir), *pretraining, "--config.eval_every=2"]
+    )
     started = time.perf_counter()
     done = run(command, environ(compile_cache))
     print(f"\n2 x 2 run: {time.perf_counter() - started:.0f} s\n{done.stdout}")
@@ -188,6 +195,8 @@ def test_one_process_of_four_devices_trains_on_the_same_examples(
     two_by_two, data_dir, compile_cache, tmp_path
 ):
     workdir = tmp_path / "one_by_four"
+    workdir.mkdir()
+    shutil.copy(two_by_two["workdir"] / train.PRETRAINED_BACKBONE, workdir)
     command = [sys.executable, "-m", "ood_jax", *train_args(workdir, data_dir)]
     run([*command, "--config.total_steps=3"], environ(compile_cache, devices=4))
     one, two = logged_losses(workdir), two_by_two["losses"]
@@ -214,67 +223,63 @@ def wait_for_line(child: subprocess.Popen, pattern: str, log: list[str]) -> None
     raise AssertionError(f"the job ended before {pattern!r}:\n{''.join(log)[-4000:]}")
 
 
-def test_preempted_job_saves_one_step_and_resumes_as_if_uninterrupted(
-    two_by_two, data_dir, compile_cache, tmp_path
-):
-    workdir = tmp_path / "preempted"
-    command = launch_command(train_args(workdir, data_dir))
-    env = environ(compile_cache)
+def interrupted(command: list[str], env: dict[str, str], after: str, interrupt) -> tuple[int, str]:
+    """Runs `command` until a line matches `after`, then calls `interrupt(launcher)`; returns
+    the launcher's exit code and output once the job has ended."""
     log: list[str] = []
     child = subprocess.Popen(
         command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
-        wait_for_line(child, r"^step 1/", log)
-        child.send_signal(signal.SIGTERM)  # the launcher sends it on to every process
+        wait_for_line(child, after, log)
+        interrupt(child)
         rest, _ = child.communicate(timeout=HANG_GUARD_S)
     finally:
         child.kill()
-    output = "".join(log) + rest
-    assert child.returncode == multihost.PREEMPTED_EXIT_CODE, output[-4000:]
+    return child.returncode, "".join(log) + rest
+
+
+def kill_process_1(launcher: subprocess.Popen) -> None:
+    children = pathlib.Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text()
+    processes = [int(pid) for pid in children.split()]
+    assert len(processes) == 2
+    os.kill(processes[1], signal.SIGKILL)
+
+
+def test_lost_process_then_preemption_then_the_same_end(
+    two_by_two, data_dir, compile_cache, tmp_path
+):
+    """SIGKILL to process 1: process 0 names it and stops; the rerun resumes. SIGTERM to every
+    process: both save the same step and stop; the rerun resumes and ends, loss for loss and
+    parameter for parameter, where the uninterrupted run ends."""
+    workdir = tmp_path / "faults"
+    workdir.mkdir()
+    shutil.copy(two_by_two["workdir"] / train.PRETRAINED_BACKBONE, workdir)
+    command = launch_command(train_args(workdir, data_dir), lost_after=5)
+    env = environ(compile_cache)
+
+    code, output = interrupted(command, env, r"^step 1/", kill_process_1)
+    assert code == multihost.LOST_EXIT_CODE, output[-4000:]
+    assert "error: process 1 of 2 is lost" in output, output[-4000:]
+    assert "launch: process 0 exited with 75, process 1 was killed by SIGKILL" in output
+    assert not (workdir / "results.json").exists()
+    kept = checkpoint_steps(workdir)[-1]
+
+    # The launcher passes SIGTERM on to every process.
+    code, output = interrupted(command, env, r"^step \d+/", lambda c: c.send_signal(signal.SIGTERM))
+    assert f"Resumed from step {kept}" in output
+    assert code == multihost.PREEMPTED_EXIT_CODE, output[-4000:]
     saved = re.findall(r"preempted: SIGTERM received; step (\d+) is saved", output)
     assert len(saved) == 2 and len(set(saved)) == 1, output[-4000:]
     step = int(saved[0])
-    assert 1 <= step < STEPS and checkpoint_steps(workdir)[-1] == step
-    assert not (workdir / "results.json").exists()
+    assert kept < step < STEPS and checkpoint_steps(workdir)[-1] == step
 
     resumed = run(command, env)
     assert f"Resumed from step {step}" in resumed.stdout
     losses, uninterrupted = logged_losses(workdir), two_by_two["losses"]
-    after = [s for s in losses if s > step]
-    assert after == list(range(step + 1, STEPS + 1))
-    assert {s: losses[s] for s in after} == {s: uninterrupted[s] for s in after}
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert losses == uninterrupted
     final, expected = read_state(workdir, STEPS), read_state(two_by_two["workdir"], STEPS)
     assert final.keys() == expected.keys()
     for name in expected:
         np.testing.assert_array_equal(final[name], expected[name], err_msg=name)
-
-
-def test_a_killed_process_is_named_by_the_other_which_stops(data_dir, compile_cache, tmp_path):
-    workdir = tmp_path / "lost"
-    command = launch_command(train_args(workdir, data_dir), lost_after=5)
-    log: list[str] = []
-    child = subprocess.Popen(
-        command,
-        env=environ(compile_cache),
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        wait_for_line(child, r"^step 1/", log)
-        children = pathlib.Path(f"/proc/{child.pid}/task/{child.pid}/children").read_text()
-        processes = [int(pid) for pid in children.split()]
-        assert len(processes) == 2
-        killed_at = time.monotonic()
-        os.kill(processes[1], signal.SIGKILL)
-        rest, _ = child.communicate(timeout=HANG_GUARD_S)
-        stopped_after = time.monotonic() - killed_at
-    finally:
-        child.kill()
-    output = "".join(log) + rest
-    assert "error: process 1 of 2 is lost" in output, output[-4000:]
-    assert "launch: process 0 exited with 75, process 1 was killed by SIGKILL" in output
-    assert child.returncode == multihost.LOST_EXIT_CODE
-    print(f"process 0 stopped {stopped_after:.1f} s after process 1 was killed")

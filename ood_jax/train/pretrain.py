@@ -139,7 +139,7 @@ def pretrain_backbone(
     for i in range(1, config.pretrain.steps + 1):
         batch, _ = next(batches)
         params, model_state, opt_state, loss = step(params, model_state, opt_state, batch)
-        if i % config.log_every == 0 or i == config.pretrain.steps:
+        if multihost.is_primary() and (i % config.log_every == 0 or i == config.pretrain.steps):
             rate = i / (time.perf_counter() - started)
             print(
                 f"backbone pretraining {i}/{config.pretrain.steps}  loss {float(loss):.4f}  "

@@ -549,7 +549,10 @@ def keep_on_interrupt(
     donated to a step that was cut short) and finite, and says what the workdir keeps."""
     ckpt.wait()  # a save already on its way finishes
     latest = ckpt.latest_step()
-    if not any(leaf.is_deleted() for leaf in jax.tree.leaves(state)):
+    # Several processes save a step together, but each stopped at its own: only a
+    # preemption (SIGTERM, multihost.preempted) brings them to the same one.
+    alone = jax.process_count() == 1
+    if alone and not any(leaf.is_deleted() for leaf in jax.tree.leaves(state)):
         step = int(state.step)
         if step > (latest or 0) and bool(_all_finite(state.params)):
             ckpt.save(step, state, meta, force=True)
@@ -722,62 +725,66 @@ def _train_and_evaluate(
     # ----------------------------------------------------------------------------------------
     # Train.
     # ----------------------------------------------------------------------------------------
-    multihost.catch_preemption()
     pending: list[dict[str, jax.Array]] = []
     started = time.perf_counter()
-    try:
-        for step in range(start_step + 1, config.total_steps + 1):
-            batch, _ = next(batches)
-            state, metrics = step_fn(state, batch, experiment.train_rng)
-            pending.append(metrics)
-            report(step)
+    with multihost.catching_preemption():
+        try:
+            for step in range(start_step + 1, config.total_steps + 1):
+                batch, _ = next(batches)
+                state, metrics = step_fn(state, batch, experiment.train_rng)
+                pending.append(metrics)
+                report(step)
 
-            # A checkpoint must never hold a diverged state, so every step since the last log
-            # is checked before each save as well as at each log step; the error names the
-            # first one.
-            log_due = step % config.log_every == 0 or step == config.total_steps
-            if log_due or ckpt.should_save(step):
-                first = step - len(pending) + 1
-                for offset, m in enumerate(pending):
-                    loss, grad_norm = float(m["loss"]), float(m["grad_norm"])
-                    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                        ckpt.wait()
-                        raise NonFiniteLossError(
-                            f"loss became {loss} (gradient norm {grad_norm}) at step "
-                            f"{first + offset}; the last good checkpoint (step "
-                            f"{ckpt.latest_step()}) is kept in {ckpt.directory}"
+                # A checkpoint must never hold a diverged state, so every step since the last log
+                # is checked before each save as well as at each log step; the error names the
+                # first one.
+                log_due = step % config.log_every == 0 or step == config.total_steps
+                if log_due or ckpt.should_save(step):
+                    first = step - len(pending) + 1
+                    for offset, m in enumerate(pending):
+                        loss, grad_norm = float(m["loss"]), float(m["grad_norm"])
+                        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                            ckpt.wait()
+                            raise NonFiniteLossError(
+                                f"loss became {loss} (gradient norm {grad_norm}) at step "
+                                f"{first + offset}; the last good checkpoint (step "
+                                f"{ckpt.latest_step()}) is kept in {ckpt.directory}"
+                            )
+                if log_due:
+                    summary = {k: float(np.mean([m[k] for m in pending])) for k in pending[0]}
+                    pending = []
+                    summary["learning_rate"] = float(experiment.schedules["transformer"](step))
+                    writer.write_scalars(step, summary)
+                    if _is_primary():
+                        # The compilation in the first step is not the training's speed.
+                        elapsed = time.perf_counter() - started - step_fn.compile_seconds
+                        rate = (step - start_step) / elapsed
+                        eta = (config.total_steps - step) / rate
+                        print(
+                            f"step {step}/{config.total_steps}  loss {summary['loss']:.3f}  "
+                            f"{rate:.2f} steps/s  ETA {eta / 60:.1f} min",
+                            flush=True,
                         )
-            if log_due:
-                summary = {k: float(np.mean([m[k] for m in pending])) for k in pending[0]}
-                pending = []
-                summary["learning_rate"] = float(experiment.schedules["transformer"](step))
-                writer.write_scalars(step, summary)
-                if _is_primary():
-                    # The compilation in the first step is not the training's speed.
-                    elapsed = time.perf_counter() - started - step_fn.compile_seconds
-                    rate = (step - start_step) / elapsed
-                    eta = (config.total_steps - step) / rate
-                    print(
-                        f"step {step}/{config.total_steps}  loss {summary['loss']:.3f}  "
-                        f"{rate:.2f} steps/s  ETA {eta / 60:.1f} min",
-                        flush=True,
-                    )
 
-            # Before the step's checkpoint: a run resumed from it has its evaluation.
-            if config.eval_every and step % config.eval_every == 0 and step != config.total_steps:
-                evaluated = evaluate_all(config, experiment, state, ground_truth)
-                record_evaluation(step, evaluated)
-                writer.write_scalars(step, {"eval/iid_AP": evaluated["iid"].stats["AP"]})
+                # Before the step's checkpoint: a run resumed from it has its evaluation.
+                if (
+                    config.eval_every
+                    and step % config.eval_every == 0
+                    and step != config.total_steps
+                ):
+                    evaluated = evaluate_all(config, experiment, state, ground_truth)
+                    record_evaluation(step, evaluated)
+                    writer.write_scalars(step, {"eval/iid_AP": evaluated["iid"].stats["AP"]})
 
-            # Asked at every step, as JAX's preemption sync point requires; every process
-            # gets the same answer for the same step.
-            preempted = multihost.preempted(step)
-            ckpt.save(step, state, meta, force=step == config.total_steps or preempted)
-            if preempted:
-                ckpt.wait()
-                raise multihost.Preempted(multihost.preempted_line(step, workdir))
-    except KeyboardInterrupt:
-        raise KeyboardInterrupt(keep_on_interrupt(ckpt, state, meta, workdir)) from None
+                # Asked at every step, as JAX's preemption sync point requires; every process
+                # gets the same answer for the same step.
+                preempted = multihost.preempted(step)
+                ckpt.save(step, state, meta, force=step == config.total_steps or preempted)
+                if preempted:
+                    ckpt.wait()
+                    raise multihost.Preempted(multihost.preempted_line(step, workdir))
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt(keep_on_interrupt(ckpt, state, meta, workdir)) from None
     ckpt.wait()
     # Released before the final evaluation: torn down at function exit instead, the input
     # pipeline stalled the end of the run (12 s on a 20-step demo run, 30-50 s on full ones).
