@@ -60,11 +60,9 @@ def initialize(*, cluster: bool = False) -> None:
         return
     lost_after_s = lost_after_seconds()
     # JAX's heartbeat must outlast the watchdog's, or JAX ends the processes first, with a
-    # core dump instead of a line naming the lost process.
-    timeouts = {
-        "heartbeat_timeout_seconds": int(lost_after_s) + 30,
-        "shutdown_timeout_seconds": int(lost_after_s) + 30,
-    }
+    # core dump instead of a line naming the lost process. (Its shutdown barrier keeps its
+    # own timeout: processes may take a while to let go of their input pipelines.)
+    timeouts = {"heartbeat_timeout_seconds": int(lost_after_s) + 30}
     if named is None:
         jax.distributed.initialize(**timeouts)
     else:

@@ -782,6 +782,7 @@ def _train_and_evaluate(
                 ckpt.save(step, state, meta, force=step == config.total_steps or preempted)
                 if preempted:
                     ckpt.wait()
+                    del batches  # let go of the input pipeline now (see below)
                     raise multihost.Preempted(multihost.preempted_line(step, workdir))
         except KeyboardInterrupt:
             raise KeyboardInterrupt(keep_on_interrupt(ckpt, state, meta, workdir)) from None
