@@ -243,7 +243,10 @@ def preempted(step: int) -> bool:
     the same step (JAX's preemption sync point, which each process must ask at every step)."""
     if jax.process_count() > 1:
         return multihost_utils.reached_preemption_sync_point(step)
-    return _sigterm.is_set()
+    if _sigterm.is_set():
+        _sigterm.clear()  # answered: `catching_preemption` raises it no more
+        return True
+    return False
 
 
 def preempted_line(step: int, workdir: os.PathLike | str) -> str:

@@ -351,6 +351,37 @@ def test_killed_and_restarted_run_ends_like_an_uninterrupted_one(
     assert_states_equal(load_state(workdir, RUN_A_STEPS), run_a["final_state"])
 
 
+def test_sigterm_saves_the_step_it_reached_and_says_so(tmp_path, data_dir, compile_cache):
+    """A preemption of a single-process run (SLURM and TPU maintenance send SIGTERM)."""
+    from ood_jax import multihost
+
+    workdir = tmp_path / "preempted"
+    command = [sys.executable, "-m", "ood_jax.cli", *train_argv(workdir, data_dir, log_every=1)]
+    child = subprocess.Popen(
+        command,
+        env=child_env(compile_cache),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        seen = []
+        for line in child.stdout:
+            seen.append(line)
+            if line.startswith("step 1/"):
+                child.send_signal(signal.SIGTERM)
+                break
+        output = "".join(seen) + child.communicate(timeout=400)[0]
+    finally:
+        child.kill()
+    assert child.returncode == multihost.PREEMPTED_EXIT_CODE, output[-3000:]
+    saved = re.findall(r"preempted: SIGTERM received; step (\d+) is saved", output)
+    assert len(saved) == 1, output[-3000:]
+    assert checkpoint_steps(workdir)[-1] == int(saved[0])
+    assert not (workdir / "results.json").exists()
+
+
 def test_raising_total_steps_continues_a_finished_run(run_a, data_dir):
     """Moves run A on from step 6 to step 8 (the run_a fixture kept what other tests need)."""
     workdir, total = run_a["workdir"], RUN_A_STEPS + 2
