@@ -47,6 +47,7 @@ _KEY = "ood_jax/heartbeat/"
 _DONE = "done"
 
 _watchdog: _Watchdog | None = None
+_barriers = 0  # barriers passed: each gets an id of its own
 _sigterm = threading.Event()
 
 
@@ -99,9 +100,6 @@ def barrier(name: str, timeout_s: float = 6 * 3600) -> None:
     global _barriers
     _barriers += 1
     _watchdog.client.wait_at_barrier(f"ood_jax/{_barriers}/{name}", int(timeout_s * 1000))
-
-
-_barriers = 0
 
 
 def lost_after_seconds() -> float:
