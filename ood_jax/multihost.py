@@ -158,7 +158,9 @@ class _Watchdog(threading.Thread):
             for process, (last, since) in seen.items():
                 try:
                     value = self.client.key_value_try_get(_KEY + str(process))
-                except Exception:  # not written yet: it has not started beating
+                # A process that has not beaten yet has no key; one that never does (or whose key
+                # cannot be read) goes unseen past lost_after_s and is named lost below.
+                except Exception:
                     value = ""
                 if value == _DONE:
                     continue
