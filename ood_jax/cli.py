@@ -16,6 +16,7 @@ import json  # noqa: E402
 import pathlib  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+import traceback  # noqa: E402
 from typing import Any, Sequence  # noqa: E402
 
 from ood_jax import config_files, files, help_text, multihost  # noqa: E402
@@ -679,6 +680,20 @@ def _interrupted_line(interrupt: KeyboardInterrupt) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    try:
+        _main(argv)
+    except SystemExit as e:
+        # Every process of a preempted job stops at the same step, together.
+        if e.code not in (None, 0, multihost.PREEMPTED_EXIT_CODE):
+            code = e.code if isinstance(e.code, int) else 1
+            multihost.exit_failed(e.code if isinstance(e.code, str) else None, code)
+        raise
+    except BaseException:
+        multihost.exit_failed(traceback.format_exc().rstrip(), 1)
+        raise
+
+
+def _main(argv: Sequence[str] | None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]

@@ -41,13 +41,16 @@ DEFAULT_LOST_AFTER_S = 60.0
 
 LOST_EXIT_CODE = 75  # EX_TEMPFAIL: rerunning the same command resumes
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, as the shell reports a terminated process
+PEER_FAILED_EXIT_CODE = 1
 
 _BEAT_S = 1.0
 _KEY = "ood_jax/heartbeat/"
 _DONE = "done"
+_FAILED = "failed"
 
 _watchdog: _Watchdog | None = None
 _barriers = 0  # barriers passed: each gets an id of its own
+_exchanges = 0  # every_process calls, likewise
 _sigterm = threading.Event()
 
 
@@ -100,6 +103,23 @@ def barrier(name: str, timeout_s: float = 6 * 3600) -> None:
     global _barriers
     _barriers += 1
     _watchdog.client.wait_at_barrier(f"ood_jax/{_barriers}/{name}", int(timeout_s * 1000))
+
+
+def every_process(name: str, value: str, timeout_s: float = 600) -> list[str]:
+    """Each process's `value`, in process order, on every process (`[value]` alone): how
+    processes check that they agree before work whose collectives need them to (the same
+    batches), through the coordination service."""
+    if _watchdog is None:
+        return [value]
+    global _exchanges
+    _exchanges += 1
+    prefix = f"ood_jax/exchange/{_exchanges}/{name}/"
+    client = _watchdog.client
+    client.key_value_set(prefix + str(_watchdog.me), value)
+    timeout_ms = int(timeout_s * 1000)
+    return [
+        client.blocking_key_value_get(prefix + str(p), timeout_ms) for p in range(_watchdog.count)
+    ]
 
 
 def lost_after_seconds() -> float:
@@ -164,26 +184,38 @@ class _Watchdog(threading.Thread):
                     value = ""
                 if value == _DONE:
                     continue
+                if value == _FAILED and not self._stopped.is_set():
+                    self._end(
+                        f"error: process {process} of {self.count} failed (its error is above); "
+                        f"process {self.me} stops too",
+                        PEER_FAILED_EXIT_CODE,
+                    )
+                    return
                 if value != last:
                     seen[process] = (value, now)
                 elif now - since > self.lost_after_s and not self._stopped.is_set():
-                    self._lose(process, now - since)
+                    self._end(
+                        f"error: process {process} of {self.count} is lost (no heartbeat for "
+                        f"{now - since:.0f} s); process {self.me} stops too. The workdir keeps "
+                        "its newest checkpoint: rerun the same command on every process to resume",
+                        LOST_EXIT_CODE,
+                    )
                     return
 
-    def _lose(self, process: int, silent_s: float) -> None:
-        self.line = (
-            f"error: process {process} of {self.count} is lost (no heartbeat for "
-            f"{silent_s:.0f} s); process {self.me} stops too. The workdir keeps its newest "
-            "checkpoint: rerun the same command on every process to resume"
-        )
+    def _end(self, line: str, code: int) -> None:
+        self.line = line
         self.verdict.set()
         # From this thread: the main thread may be anywhere, a collective included.
-        _exit_lost(self.line)
+        _exit_now(line, code)
 
-    def stop(self) -> None:
+    def stop(self, failed: bool = False) -> None:
+        """Tells the others this process ended: normally, or `failed` (they stop too)."""
+        if self._stopped.is_set():
+            return
         self._stopped.set()
         try:
-            self.client.key_value_set(_KEY + str(self.me), _DONE, allow_overwrite=True)
+            value = _FAILED if failed else _DONE
+            self.client.key_value_set(_KEY + str(self.me), value, allow_overwrite=True)
         except Exception as error:  # the coordinator is gone: nothing to tell it
             print(
                 f"warning: could not tell the coordinator this process ended: {error}",
@@ -191,11 +223,26 @@ class _Watchdog(threading.Thread):
             )
 
 
-def _exit_lost(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+def _exit_now(line: str | None, code: int) -> None:
+    if line:
+        print(line, file=sys.stderr, flush=True)
     sys.stdout.flush()
-    # Not sys.exit: JAX's exit handler would wait at a shutdown barrier for the lost process.
-    os._exit(LOST_EXIT_CODE)
+    # Not sys.exit: JAX's exit handler would wait at a shutdown barrier for processes that
+    # are lost, or that go on to a collective this one never joins.
+    os._exit(code)
+
+
+def exit_failed(line: str | None, code: int) -> None:
+    """Ends a process of several that failed (after `line`, with exit `code`), telling the
+    others, which stop naming it rather than wait for it in their next collective. Returns
+    when the process is alone: its caller ends it as usual."""
+    if _watchdog is None:
+        return
+    _watchdog.stop(failed=True)
+    if _watchdog.me == 0:
+        # The coordinator's end ends the others' JAX too: first let their watchdogs read why.
+        time.sleep(3 * _BEAT_S)
+    _exit_now(line, code)
 
 
 def stop_if_lost(error: BaseException) -> None:

@@ -9,7 +9,8 @@ against each parameter's path "a/b/kernel". Strategies:
 Batches are split along their leading dimension over every axis of the mesh, so 'fsdp' devices
 also share the data-parallel work: every host feeds its own rows (`start_global`, which also
 keeps host-only fields such as image ids on the host and transfers the next batch while the
-current step runs) and reads its rows of the outputs back (`to_host_local`).
+current step runs) and reads its rows of the outputs back (`to_host_local`). Where every process
+holds the whole input (mining's features), `from_host_copy` and `to_host` move it on and off.
 """
 
 from __future__ import annotations
@@ -208,6 +209,20 @@ def process_allgather(tree: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         name: np.asarray(value).view(wide[name]) if name in wide else np.asarray(value)
         for name, value in gathered.items()
     }
+
+
+def from_host_copy(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array of `array`, which every process holds whole (mining's features, a batch of
+    texts): each process transfers only the parts its devices hold."""
+    array = np.asarray(array)
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def to_host(array: jax.Array) -> np.ndarray:
+    """All of a global array on every process: gathered from the others where they hold parts."""
+    if array.is_fully_addressable:
+        return np.asarray(array)
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
 def to_host_local(array: jax.Array, sharding: NamedSharding) -> np.ndarray:

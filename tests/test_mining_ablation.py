@@ -24,9 +24,9 @@ class CountingScorer(FakeScorer):
         super().__init__(*args)
         self.images_encoded = 0
 
-    def encode_images(self, images):
+    def encode_images(self, images, batch_size=None):
         self.images_encoded += len(images)
-        return super().encode_images(images)
+        return super().encode_images(images, batch_size)
 
 
 def _scorers():

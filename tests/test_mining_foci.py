@@ -188,7 +188,7 @@ class FakeScorer:
         v = np.random.default_rng(seed).normal(size=self.dim)
         return v / np.linalg.norm(v)
 
-    def encode_images(self, images):
+    def encode_images(self, images, batch_size=None):
         if self.batches_left is not None:
             if self.batches_left == 0:
                 raise KeyboardInterrupt("killed")

@@ -199,7 +199,7 @@ class FakeScorer:
         v = np.random.default_rng(int.from_bytes(digest[:8], "big")).normal(size=8)
         return (v / np.linalg.norm(v)).astype(np.float32)
 
-    def encode_images(self, images):
+    def encode_images(self, images, batch_size=None):
         return np.stack([self._vector(np.ascontiguousarray(im).tobytes()) for im in images])
 
     def encode_texts(self, texts, templates=("{}",)):
@@ -320,6 +320,8 @@ def test_default_template_and_bad_scorer_kind(tmp_path):
     assert clip.templates == oodbench.DEFAULT_TEMPLATES
     assert (tmp_path / "s.jsonl").is_file() and not (root / "splits.jsonl").exists()
     with pytest.raises(SystemExit, match=r"scorer kind 'flamingo'"):
-        _run(["--source", str(root), "--scorer", "x"], {"x": FakeScorer("flamingo", "a", 1.0, None)})
+        _run(
+            ["--source", str(root), "--scorer", "x"], {"x": FakeScorer("flamingo", "a", 1.0, None)}
+        )
     with pytest.raises(SystemExit, match=r"annotations\.json: file not found"):
         _run(["--source", str(tmp_path), "--scorer", "clip"], {"clip": clip})

@@ -10,10 +10,13 @@ of any size compiles once and never holds an [N, C] similarity matrix in memory.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
+
+from ood_jax import sharding
 
 DEFAULT_CHUNK_SIZE = 4096
 
@@ -61,33 +64,33 @@ def map_rows_in_chunks(
 
     `fn` must be jitted and map rows independently (output row i depends on input row i only),
     so the padding rows of the last chunk can be computed and dropped. Every chunk has the same
-    shape, so `fn` compiles once. With a mesh, a chunk's rows are split over all its devices and
-    `shared` is replicated; `chunk_size` must then divide evenly over the devices.
+    shape, so `fn` compiles once. With a mesh, a chunk's rows are split over all its devices
+    (`chunk_size` rounded up to a multiple of their number) and `shared` is replicated; the
+    mesh may span processes, each of which passes the same arrays and gets every output row.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     num_rows = len(rows[0])
     if any(len(r) != num_rows for r in rows):
         raise ValueError(f"row arrays differ in length: {[len(r) for r in rows]}")
-    row_sharding = shared_sharding = None
-    if mesh is not None:
-        from ood_jax import sharding
-
-        if chunk_size % mesh.size:
-            raise ValueError(f"chunk_size {chunk_size} does not split over {mesh.size} devices")
+    if mesh is None:
+        put_rows = put_shared = jax.device_put
+    else:
+        chunk_size = -(-chunk_size // mesh.size) * mesh.size
         row_sharding, shared_sharding = sharding.batch_sharding(mesh), sharding.replicated(mesh)
-    # Shared operands (text features) go to the device once, not once per chunk.
-    shared = [jax.device_put(s, shared_sharding) for s in shared]
+        put_rows = functools.partial(sharding.from_host_copy, sharding=row_sharding)
+        put_shared = functools.partial(sharding.from_host_copy, sharding=shared_sharding)
+    # Shared operands (text features) go to the devices once, not once per chunk.
+    shared = [put_shared(s) for s in shared]
     outputs: list[list[np.ndarray]] = []
     for start in range(0, max(num_rows, 1), chunk_size):
         stop = min(start + chunk_size, num_rows)
-        chunk = [_pad_rows(r[start:stop], chunk_size) for r in rows]
-        result = fn(*[jax.device_put(c, row_sharding) for c in chunk], *shared)
+        result = fn(*[put_rows(_pad_rows(r[start:stop], chunk_size)) for r in rows], *shared)
         result = result if isinstance(result, tuple) else (result,)
         if not outputs:
             outputs = [[] for _ in result]
         for collected, value in zip(outputs, result):
-            collected.append(np.asarray(value)[: stop - start])
+            collected.append(sharding.to_host(value)[: stop - start])
     return [np.concatenate(parts) for parts in outputs]
 
 

@@ -2,6 +2,9 @@
 
 Each run function takes the parsed arguments and a scorer factory, path -> scorer (by default
 `ood_jax.scorers.from_hf`, imported only when a scorer is loaded), so tests can pass their own.
+The scorers split each batch over every device; with several processes (`ood-jax launch`, a
+SLURM or TPU-pod job) each reads only its images, every process gets every embedding, and the
+first process alone writes outputs, manifests and caches.
 
 Each run writes a manifest (ood_jax.manifest) when it starts and when it ends, however it ends:
 beside what it writes, named after it (foci_options.json -> foci_options.manifest.json,
@@ -21,21 +24,28 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ood_jax import files, help_text, manifest
+from ood_jax import files, help_text, manifest, multihost
 
 ScorerFactory = Callable[[str], Any]
+
+
+def _every_device():
+    """The scorers' mesh: a batch is split over every device of every process."""
+    from ood_jax import sharding
+
+    return sharding.make_mesh([("data", -1)])
 
 
 def _from_hf(path: str):
     from ood_jax import scorers
 
-    return scorers.from_hf(path)
+    return scorers.from_hf(path, mesh=_every_device())
 
 
 def _from_lavis(checkpoint: str, config_dir: str):
     from ood_jax import scorers
 
-    return scorers.from_lavis(checkpoint, config_dir)
+    return scorers.from_lavis(checkpoint, config_dir, mesh=_every_device())
 
 
 def _load_scorer(factory: ScorerFactory | None, path: str):
@@ -78,9 +88,20 @@ def _start_manifest(command: str, args: argparse.Namespace, devices: bool, **fie
 
 
 def _recording(out: str | pathlib.Path, record: dict, directory: bool = False):
-    """manifest.recording for a run that writes `out` (a file, or a `directory`)."""
+    """manifest.recording for a run that writes `out` (a file, or a `directory`); the first
+    process of several writes it, as it writes `out`."""
     path = manifest_path(out, directory)
-    return manifest.recording(path.parent, record, name=path.name)
+    return manifest.recording(path.parent, record, name=path.name, enabled=multihost.is_primary())
+
+
+def _say(*args, **kwargs) -> None:
+    """print, once per job rather than once per process."""
+    if multihost.is_primary():
+        print(*args, **kwargs)
+
+
+def _progress(args: argparse.Namespace) -> bool:
+    return not args.quiet and multihost.is_primary()
 
 
 def _records(pairs) -> dict:
@@ -159,16 +180,17 @@ def run_foci(args: argparse.Namespace, scorer_factory: ScorerFactory | None = No
                 templates=args.templates,
                 batch_size=args.batch_size,
                 chunk_size=args.chunk_size,
-                progress=not args.quiet,
+                progress=_progress(args),
                 cache_dir=args.cache,
             )
         except (ValueError, building.BuildError) as e:
             raise _fail(e) from None
         except KeyboardInterrupt:
             raise _interrupted(args, args.out or "the options file") from None
-        files.write_json_atomic(out, contents)
-        record.update(outputs=[_output(out)], accuracy=accuracy)
-    print(
+        if multihost.is_primary():
+            files.write_json_atomic(out, contents)
+            record.update(outputs=[_output(out)], accuracy=accuracy)
+    _say(
         f"{len(source.images)} images, {len(source.class_names)} classes -> {out}\n"
         f"zero-shot accuracy of this scorer: {accuracy['all_classes']:.4f} over all classes, "
         f"{accuracy['options']:.4f} over the {foci.NUM_OPTIONS} options (the same number when "
@@ -200,10 +222,12 @@ def run_foci_zero_shot(
             record["scorers"] = [_scorer_manifest(args.scorer, scorer)]
             results = zero_shot.evaluate(
                 scorer, target, args.dataset, args.templates, args.batch_size, args.chunk_size,
-                progress=not args.quiet,
+                progress=_progress(args),
             )  # fmt: skip
         except ValueError as e:
             raise _fail(e) from None
+        if not multihost.is_primary():
+            return
         written = zero_shot.write(args.out, results)
         record["outputs"] = [_output(path) for path in written]
     print(written[1].read_text(), end="")
@@ -266,10 +290,10 @@ def _score_with_each(
         record["scorers"].append(entry)
         head = "image-text matching" if name in matching else "contrastive"
         entry["score"] = head
-        print(f"scoring {len(pairs.image_ids)} pairs with {name} ({scorer.kind}, {head})")
+        _say(f"scoring {len(pairs.image_ids)} pairs with {name} ({scorer.kind}, {head})")
         cache = pathlib.Path(args.cache) / name if args.cache and name not in matching else None
         scores[name] = oodbench.score_pairs(
-            pairs, scorer, args.templates, args.batch_size, not args.quiet, cache,
+            pairs, scorer, args.templates, args.batch_size, _progress(args), cache,
             matching=name in matching,
         )  # fmt: skip
     return scores
@@ -298,6 +322,8 @@ def run_oodbench(args: argparse.Namespace, scorer_factory: ScorerFactory | None 
             raise _fail(e) from None
         except KeyboardInterrupt:
             raise _interrupted(args, args.out or "splits.jsonl") from None
+        if not multihost.is_primary():
+            return
         files.write_jsonl_atomic(out, records)
         record["outputs"] = [_output(out)]
     labels = oodbench.assign_splits(scores, args.threshold)
@@ -368,6 +394,8 @@ def run_oodbench_ablation(
             raise _fail(e) from None
         except KeyboardInterrupt:
             raise _interrupted(args, str(out)) from None
+        if not multihost.is_primary():
+            return
         record["outputs"] = _write_ablation(out, pairs, scores, divisions, labels, args.threshold)
     print((out / "consistency.md").read_text(), end="")
     print(f"-> {out}")
@@ -407,6 +435,8 @@ def run_oodg(args: argparse.Namespace, scorer_factory: ScorerFactory | None = No
             test_records = oodg.read_records(builder, args.split, args.domains)
             record["dataset"]["records"] = _records(r.key for r in test_records)
             plan = _oodg_plan(args, oodg, builder, test_records)
+            if not multihost.is_primary():  # every process plans the same items
+                return
             path = oodg.write(builder, plan, args.out)
         except ValueError as e:
             raise _fail(e) from None

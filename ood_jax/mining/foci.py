@@ -47,7 +47,6 @@ import collections
 import dataclasses
 import functools
 import json
-import os
 import pathlib
 from collections.abc import Sequence
 
@@ -322,6 +321,22 @@ def read_image(path: pathlib.Path) -> np.ndarray:
         raise ValueError(f"{path}: corrupt or unreadable image ({e})") from None
 
 
+class ImageFiles(Sequence):
+    """Image files, each read (`read_image`) when indexed: a scorer reads only those it encodes
+    (with several processes, each reads its own)."""
+
+    def __init__(self, paths: Sequence[pathlib.Path]):
+        self.paths = list(paths)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return ImageFiles(self.paths[index])
+        return read_image(self.paths[index])
+
+
 def encode_image_files(
     scorer,
     paths: Sequence[pathlib.Path],
@@ -335,33 +350,29 @@ def encode_image_files(
     (`scorers.EmbeddingCache`, keyed to the scorer's identity): a killed run, rerun, encodes only
     the files it had not finished.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
     from tqdm import tqdm
 
     if not paths:
         raise ValueError("no images to encode")
-    # Decoding releases the GIL, so a few threads keep the encoder fed.
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        bar = tqdm(total=len(paths), desc="encoding images", unit="image", disable=not progress)
+    bar = tqdm(total=len(paths), desc="encoding images", unit="image", disable=not progress)
 
-        def encode(batch: Sequence[pathlib.Path]) -> np.ndarray:
-            features = np.asarray(scorer.encode_images(list(pool.map(read_image, batch))))
-            bar.update(len(batch))
-            return features.astype(np.float32)
+    def encode(batch: Sequence[pathlib.Path]) -> np.ndarray:
+        features = np.asarray(scorer.encode_images(ImageFiles(batch), batch_size=batch_size))
+        bar.update(len(batch))
+        return features.astype(np.float32)
 
-        with bar:
-            if cache_dir is None:
-                return np.concatenate(
-                    [encode(paths[i : i + batch_size]) for i in range(0, len(paths), batch_size)]
-                )
-            from ood_jax.scorers import EmbeddingCache
+    with bar:
+        if cache_dir is None:
+            return np.concatenate(
+                [encode(paths[i : i + batch_size]) for i in range(0, len(paths), batch_size)]
+            )
+        from ood_jax.scorers import EmbeddingCache
 
-            identity = getattr(scorer, "identity", None)
-            if identity is None:
-                raise ValueError(f"cache {cache_dir}: the scorer has no identity to key it by")
-            cache = EmbeddingCache(cache_dir, shard_size=batch_size, identity=identity)
-            return cache.compute([str(path) for path in paths], lambda batch: batch, encode)
+        identity = getattr(scorer, "identity", None)
+        if identity is None:
+            raise ValueError(f"cache {cache_dir}: the scorer has no identity to key it by")
+        cache = EmbeddingCache(cache_dir, shard_size=batch_size, identity=identity)
+        return cache.compute([str(path) for path in paths], lambda batch: batch, encode)
 
 
 def mine_source(

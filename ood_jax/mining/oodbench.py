@@ -302,12 +302,14 @@ def match_pairs(
     with tqdm(total=len(image_ids), desc="matching", unit="image", disable=not progress) as bar:
         for start, lo, hi in zip(range(0, len(image_ids), batch_size), bounds, bounds[1:]):
             batch = image_ids[start : start + batch_size]
-            images = [foci.read_image(pairs.image_files[i]) for i in batch]
+            images = foci.ImageFiles([pairs.image_files[i] for i in batch])
             chosen = order[lo:hi]
             rows = positions[chosen] - start
             for t in range(len(templates)):
                 text_rows = t * len(names) + pair_categories[chosen]
-                out[chosen] += scorer.match_probabilities(images, texts, rows, text_rows)
+                out[chosen] += scorer.match_probabilities(
+                    images, texts, rows, text_rows, batch_size=batch_size
+                )
             bar.update(len(batch))
     return (out / len(templates)).astype(np.float32)
 

@@ -165,10 +165,10 @@ def score_split(
         images.append(bytes(record["image"]))
         # Decoded a batch at a time, so a split's pixels are never all in memory.
         if len(images) == batch_size:
-            features.append(scorer.encode_images([_decode(b) for b in images]))
+            features.append(scorer.encode_images([_decode(b) for b in images], batch_size))
             images = []
     if images:
-        features.append(scorer.encode_images([_decode(b) for b in images]))
+        features.append(scorer.encode_images([_decode(b) for b in images], batch_size))
     if not labels:
         raise ValueError(f"{builder.data_path}: split {split} is empty")
     accuracy = foci.zero_shot_accuracy(

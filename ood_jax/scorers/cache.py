@@ -15,9 +15,12 @@ never interrupted.
 
 manifest.json records the scorer's identity (checkpoint path, config hash, dtype, ...: whatever
 `identity` holds) and the shape of one embedding; opening the directory with another identity fails
-instead of mixing embeddings of two models. Ids are compared as strings. One writer at a time.
+instead of mixing embeddings of two models. Ids are compared as strings. One writer at a time:
+with several processes (their scorer's batches split over all their devices), every process
+computes and the first one writes, so the directory must be one they all see.
 """
 
+import hashlib
 import io
 import json
 import re
@@ -27,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ood_jax import files
+from ood_jax import files, multihost
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 2  # 1 recorded a width "dim"; 2 records the per-id shape, and reads 1
@@ -68,8 +71,9 @@ class EmbeddingCache:
         return self.directory / MANIFEST
 
     def _write_manifest(self, manifest: dict[str, Any]) -> None:
-        text = json.dumps(manifest, indent=2, sort_keys=True).encode()
-        files.write_atomic(self.manifest_path, text)
+        if multihost.is_primary():
+            text = json.dumps(manifest, indent=2, sort_keys=True).encode()
+            files.write_atomic(self.manifest_path, text)
 
     def _open_manifest(self) -> dict[str, Any]:
         path = self.manifest_path
@@ -120,14 +124,15 @@ class EmbeddingCache:
         except Exception as e:
             raise ValueError(f"{path}: unreadable cache shard ({e!r})") from e
 
-    def _write_shard(self, ids: Sequence[str], embeddings: np.ndarray) -> Path:
+    def _write_shard(self, ids: Sequence[str], embeddings: np.ndarray) -> None:
+        if not multihost.is_primary():
+            return
         numbers = [int(SHARD_PATTERN.fullmatch(p.name).group(1)) for p in self.shard_paths()]
         path = self.directory / f"shard-{max(numbers, default=-1) + 1:06d}.npz"
         ids_array = np.asarray(list(ids), dtype=str)
         buffer = io.BytesIO()
         np.savez(buffer, ids=ids_array, embeddings=embeddings)
         files.write_atomic(path, buffer.getvalue())
-        return path
 
     def index(self) -> dict[str, tuple[Path, int]]:
         """id -> (shard, row) of everything cached."""
@@ -160,13 +165,28 @@ class EmbeddingCache:
             if key not in index:
                 missing.setdefault(key, id_)
         missing_keys = list(missing)
+        self._check_processes_agree(missing_keys)
+        computed: list[np.ndarray] = []  # read back from memory, not from the shards written
         for start in range(0, len(missing_keys), self.shard_size):
             chunk = missing_keys[start : start + self.shard_size]
             fetched = fetch_fn([missing[key] for key in chunk])
             embeddings = self._checked(np.asarray(encode_fn(fetched)), len(chunk))
-            path = self._write_shard(chunk, embeddings)
-            index.update({key: (path, row) for row, key in enumerate(chunk)})
-        return self._gather(keys, index)
+            self._write_shard(chunk, embeddings)
+            index.update({key: (len(computed), row) for row, key in enumerate(chunk)})
+            computed.append(embeddings)
+        return self._gather(keys, index, computed)
+
+    def _check_processes_agree(self, missing_keys: Sequence[str]) -> None:
+        """Every process must encode the same batches (they are split over all devices)."""
+        digest = hashlib.sha256("\n".join(missing_keys).encode()).hexdigest()
+        digests = multihost.every_process(f"cache/{self.directory}", digest)
+        differing = [p for p, d in enumerate(digests) if d != digests[0]]
+        if differing:
+            raise ValueError(
+                f"{self.directory}: process {differing[0]} finds other embeddings cached than "
+                "process 0; with several processes the cache must be one directory they all "
+                "see (a shared filesystem)"
+            )
 
     def _checked(self, embeddings: np.ndarray, rows: int) -> np.ndarray:
         shape = self.manifest["shape"]
@@ -184,18 +204,27 @@ class EmbeddingCache:
             )
         return embeddings.astype(np.float32, copy=False)
 
-    def _gather(self, keys: Sequence[str], index: Mapping[str, tuple[Path, int]]) -> np.ndarray:
+    def _gather(
+        self,
+        keys: Sequence[str],
+        index: Mapping[str, tuple[Path | int, int]],
+        computed: Sequence[np.ndarray],
+    ) -> np.ndarray:
+        """The embeddings of `keys`, each from a shard (a path) or from `computed` (a number)."""
         shape = self.manifest["shape"] or [0]
         out = np.zeros((len(keys), *shape), np.float32)
-        by_shard: dict[Path, list[tuple[int, int]]] = {}
+        by_source: dict[Path | int, list[tuple[int, int]]] = {}
         for i, key in enumerate(keys):
-            path, row = index[key]
-            by_shard.setdefault(path, []).append((i, row))
-        for path, pairs in by_shard.items():
-            embeddings = self._read_embeddings(path)
+            source, row = index[key]
+            by_source.setdefault(source, []).append((i, row))
+        for source, pairs in by_source.items():
+            if isinstance(source, int):
+                embeddings = computed[source]
+            else:
+                embeddings = self._read_embeddings(source)
             if list(embeddings.shape[1:]) != shape:
                 raise ValueError(
-                    f"{path}: embeddings of shape {embeddings.shape}, expected [n, "
+                    f"{source}: embeddings of shape {embeddings.shape}, expected [n, "
                     f"{', '.join(map(str, shape))}]"
                 )
             targets, rows = map(list, zip(*pairs))

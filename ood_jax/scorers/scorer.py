@@ -11,7 +11,9 @@ by the best of them (`image_embedding_shape` says which); `ood_jax.mining.oodben
 
 Every device call runs on a fixed batch (`batch_size` rows; the last batch is padded and the
 padding sliced off), so each input shape compiles once. With a mesh the batch is split over its
-devices (`ood_jax.sharding.batch_sharding`) and the parameters are replicated. `dtype` is the
+devices (`ood_jax.sharding.batch_sharding`) and the parameters are replicated. A mesh may span
+processes: each process passes the same inputs, decodes and preprocesses only the images its
+devices take, and gets every output row. `dtype` is the
 computation dtype (bfloat16 on accelerators); parameters stay float32 and outputs are float32.
 
 `encode_images` overlaps the host and the device: JAX dispatches a batch asynchronously, and the
@@ -31,7 +33,6 @@ import collections
 import concurrent.futures
 import functools
 import hashlib
-import itertools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -325,7 +326,7 @@ class Scorer:
             pairs.append(mask[text_rows[chosen]])
             for offset, (valid, arrays) in zip(range(0, len(chosen), rows), _batches(pairs, rows)):
                 probs = self._match_fn(self.variables, states, *map(self._put, arrays))
-                out[chosen[offset : offset + valid]] = np.asarray(probs)[:valid]
+                out[chosen[offset : offset + valid]] = sharding.to_host(probs)[:valid]
         return out
 
     # ------------------------------------------------------------------ plumbing
@@ -348,29 +349,33 @@ class Scorer:
     def _image_batches(
         self, images: Sequence[Any], rows: int, first: int = 0
     ) -> Iterator[tuple[int, list[np.ndarray]]]:
-        """(valid rows, [pixels]) per batch; `first` numbers the images in errors."""
+        """(valid rows, [pixels]) per batch; `first` numbers the images in errors.
+
+        Only the rows this process's devices take are read (`images[i]` may load a file) and
+        preprocessed, in the thread pool; the others stay zero, never sent."""
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(self.num_workers)
         h, w = self.preprocessing.output_size
+        mine = (0, rows) if self.mesh is None else sharding.process_rows(self._batch_sharding, rows)
         for start in range(0, len(images), rows):
-            chunk = [images[i] for i in range(start, min(start + rows, len(images)))]
+            valid = min(rows, len(images) - start)
+            indices = range(start + mine[0], start + min(mine[1], valid))
             pixels = np.zeros((rows, h, w, 3), np.float32)
-            for i, image in enumerate(
-                self._pool.map(self._preprocess_nth, chunk, itertools.count(first + start))
-            ):
-                pixels[i] = image
-            yield len(chunk), [pixels]
+            preprocess = functools.partial(self._preprocess_nth, images, first=first)
+            for i, image in zip(indices, self._pool.map(preprocess, indices)):
+                pixels[i - start] = image
+            yield valid, [pixels]
 
-    def _preprocess_nth(self, image: Any, index: int) -> np.ndarray:
+    def _preprocess_nth(self, images: Sequence[Any], index: int, first: int = 0) -> np.ndarray:
         try:
-            return self.preprocessing(image)
+            return self.preprocessing(images[index])
         except ValueError as e:
-            raise ValueError(f"image {index}: {e}") from None
+            raise ValueError(f"image {first + index}: {e}") from None
 
     def _put(self, x: np.ndarray) -> jax.Array:
         if self._batch_sharding is None:
             return jnp.asarray(x)
-        return jax.device_put(x, self._batch_sharding)
+        return sharding.from_host_copy(x, self._batch_sharding)
 
     def _run(
         self,
@@ -386,8 +391,8 @@ class Scorer:
             pending.append((valid, fn(self.variables, *map(self._put, arrays))))
             if len(pending) > 1:
                 valid_before, out = pending.popleft()
-                done.append(np.asarray(out)[:valid_before])
-        done.extend(np.asarray(out)[:valid] for valid, out in pending)
+                done.append(sharding.to_host(out)[:valid_before])
+        done.extend(sharding.to_host(out)[:valid] for valid, out in pending)
         if not done:
             return np.zeros((0, *row_shape), np.float32)
         return np.concatenate(done).astype(np.float32, copy=False)
