@@ -633,9 +633,10 @@ def _train_or_evaluate(command: str, argv: Sequence[str]) -> None:
 
     from ood_jax.train import train
 
-    def show(text: str) -> None:  # once per job, not once per process
+    def show(text: str | pathlib.Path) -> None:
+        # Once per job, not once per process: the others never read what process 0 writes.
         if multihost.is_primary():
-            print(text)
+            print(text.read_text() if isinstance(text, pathlib.Path) else text)
 
     if command == "pretrain":
         try:
@@ -650,11 +651,11 @@ def _train_or_evaluate(command: str, argv: Sequence[str]) -> None:
         evaluate_corrupted.evaluate_corrupted(
             flag_values.config, flag_values.workdir, flag_values.corrupted
         )
-        show((pathlib.Path(flag_values.workdir) / "results_corruptions.md").read_text())
+        show(pathlib.Path(flag_values.workdir) / "results_corruptions.md")
         return
     run = train.train_and_evaluate if command == "train" else train.evaluate
     run(flag_values.config, flag_values.workdir)
-    show((pathlib.Path(flag_values.workdir) / "results.md").read_text())
+    show(pathlib.Path(flag_values.workdir) / "results.md")
 
 
 # A user's mistake (a missing file, a bad value, an unknown name) surfaces as one of these, with
