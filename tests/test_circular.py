@@ -24,6 +24,7 @@ from test_eval_runner import SPLIT_LINES, foci_data, oodbench_data  # noqa: F401
 
 from ood_jax import cli, prompts
 from ood_jax.eval import cli as eval_cli
+from ood_jax.eval import store
 from ood_jax.eval import compare, rescore, runner
 from ood_jax.eval.clients import ImageInput
 from ood_jax.eval.tasks import Foci, FociScoring, ItemsError, OodBench, OodBenchScoring
@@ -126,8 +127,9 @@ def hashed(prompt: str) -> str:
     return always_right(prompt) if digest[0] % 3 else "ABCD"[digest[1] % 4]
 
 
-def run(benchmark, client, out, concurrency: int = 2, **kwargs) -> dict:
-    return runner.run(benchmark, client, out, concurrency=concurrency, progress=False, **kwargs)
+def run(benchmark, client, out, concurrency: int = 2, **options) -> dict:
+    options = runner.RunOptions(concurrency=concurrency, progress=False, **options)
+    return runner.run(benchmark, client, out, options)
 
 
 def exact_interval(k: int, n: int) -> list[float]:
@@ -229,7 +231,7 @@ def test_a_fixed_letter_is_right_a_quarter_of_the_time_and_never_circularly(tmp_
         "read": 32,
     }
     assert set(summary["per_dataset"]) == set(DATASETS)
-    markdown = (tmp_path / runner.RESULTS_MD).read_text()
+    markdown = (tmp_path / store.RESULTS_MD).read_text()
     assert "### Circular evaluation (4 rotations)" in markdown
     assert "| all items | 25.00 [3.19, 65.09] | 0.00 [0.00, 36.94] | 8 |" in markdown
     assert "| picked, all items | 100.00 | 0.00 | 0.00 | 0.00 | 32 |" in markdown
@@ -287,7 +289,7 @@ def test_resume_sends_nothing_and_a_killed_run_sends_only_the_rest(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         run(benchmark, client, tmp_path, concurrency=1)
     # The 8 replies before it, and the next one when it came back before the run ended.
-    kept = len((tmp_path / runner.PREDICTIONS_FILE).read_text().splitlines())
+    kept = len((tmp_path / store.PREDICTIONS_FILE).read_text().splitlines())
     assert 8 <= kept <= 9
     client.interrupt_at, asked = None, client.calls
     first = run(benchmark, client, tmp_path)
@@ -301,8 +303,8 @@ def test_resume_sends_nothing_and_a_killed_run_sends_only_the_rest(tmp_path):
 
 def test_rescore_reproduces_a_circular_run(tmp_path):
     results = run(TextFoci(8, circular=3), Scripted(hashed), tmp_path)
-    assert json.loads((tmp_path / runner.RUN_FILE).read_text())["circular"] == 3
-    markdown = (tmp_path / runner.RESULTS_MD).read_text()
+    assert json.loads((tmp_path / store.RUN_FILE).read_text())["circular"] == 3
+    markdown = (tmp_path / store.RESULTS_MD).read_text()
     out = tmp_path / "rescored"
     [(_, _, again, again_md)] = rescore.rescore(tmp_path, out=out)
     assert again == results and again_md == markdown
@@ -445,7 +447,7 @@ def test_oodbench_biases_and_the_swapped_question(tmp_path, answer, said_yes, fi
         assert r["instances"]["original_order"] == 0.0
         # The main table counts every asked item: half of them right.
         assert results["splits"][split]["accuracy"] == 0.5
-    markdown = (tmp_path / runner.RESULTS_MD).read_text()
+    markdown = (tmp_path / store.RESULTS_MD).read_text()
     assert "### Circular evaluation (both answer orders, and the negated question)" in markdown
     bias = f"{100 * (said_yes - 0.5):+.2f}"
     assert f"| ID | {100 * said_yes:.2f} | 50.00 | {bias} | {100 * first:.2f} |" in markdown
@@ -455,7 +457,7 @@ def test_oodbench_circular_run_rescores_and_keeps_its_identity(tmp_path):
     results = run(TextOodBench(circular=2), Scripted(first_listed), tmp_path)
     [(_, _, again, _)] = rescore.rescore(tmp_path, out=tmp_path / "again")
     assert again == results
-    with pytest.raises(runner.RunError, match=r"circular: 2 there, None now"):
+    with pytest.raises(store.RunError, match=r"circular: 2 there, None now"):
         run(TextOodBench(), Scripted(first_listed), tmp_path)
 
 
@@ -489,7 +491,7 @@ def test_built_foci_and_oodbench_through_the_command(request, tmp_path):
         assert len(swapped) == 2 * len(SPLIT_LINES)
     # Rotation 0 is the plain run's item: the same prompt and image.
     plain_records, circular_records = (
-        runner.PredictionStore(tmp_path / name / runner.PREDICTIONS_FILE).records
+        store.PredictionStore(tmp_path / name / store.PREDICTIONS_FILE).records
         for name in ("plain", "foci")
     )
     for item_id, record in plain_records.items():

@@ -15,7 +15,7 @@ from test_clients import ChatServer, prompt_text
 
 from ood_jax import cli, manifest
 from ood_jax.eval import cli as eval_cli
-from ood_jax.eval import runner
+from ood_jax.eval import store
 
 
 def item_number(body: dict) -> int:
@@ -92,7 +92,7 @@ def test_prices_times_the_reported_usage_is_the_cost(letters, tmp_path):
     prompt = sum(usage_of(k)["prompt_tokens"] for k in range(20))
     completion = sum(usage_of(k)["completion_tokens"] for k in range(20))
     expected = prompt * 2.5 / 1e6 + completion * 10 / 1e6
-    results = read(out / runner.RESULTS_JSON)
+    results = read(out / store.RESULTS_JSON)
     assert results["usage"]["prompt_tokens"] == prompt
     assert results["usage"]["completion_tokens"] == completion
     cost = results["cost"]
@@ -100,7 +100,7 @@ def test_prices_times_the_reported_usage_is_the_cost(letters, tmp_path):
     assert math.isclose(cost["input"], prompt * 2.5 / 1e6, rel_tol=1e-12)
     assert cost["prices"] == {"input": 2.5, "output": 10.0, "per_tokens": 1_000_000}
     assert cost["replies_without_usage"] == 0
-    markdown = (out / runner.RESULTS_MD).read_text()
+    markdown = (out / store.RESULTS_MD).read_text()
     assert (
         f"Cost: {expected:.4f} ({prompt} prompt tokens at 2.5 and {completion} completion "
         "tokens at 10 per 1,000,000)." in markdown
@@ -113,12 +113,12 @@ def test_prices_times_the_reported_usage_is_the_cost(letters, tmp_path):
     # other prices re-price the same replies without asking the model anything.
     with ChatServer(priced) as server:
         assert main(argv(server.url, out)) == 0
-        assert math.isclose(read(out / runner.RESULTS_JSON)["cost"]["total"], expected)
+        assert math.isclose(read(out / store.RESULTS_JSON)["cost"]["total"], expected)
         assert main(argv(server.url, out, "--price-in", "1", "--price-out", "0")) == 0
         assert server.hits == 0
-    repriced = read(out / runner.RESULTS_JSON)["cost"]
+    repriced = read(out / store.RESULTS_JSON)["cost"]
     assert math.isclose(repriced["total"], prompt / 1e6, rel_tol=1e-12)
-    assert read(out / runner.RUN_FILE)["prices"]["input"] == 1
+    assert read(out / store.RUN_FILE)["prices"]["input"] == 1
 
 
 def test_replies_without_usage_are_counted_apart(letters, tmp_path):
@@ -131,10 +131,10 @@ def test_replies_without_usage_are_counted_apart(letters, tmp_path):
     )
     with ChatServer(unreported) as server:
         assert main(argv(server.url, out, "--price-in", "1", "--price-out", "1")) == 0
-    cost = read(out / runner.RESULTS_JSON)["cost"]
+    cost = read(out / store.RESULTS_JSON)["cost"]
     assert cost["replies_without_usage"] == 3
     assert math.isclose(cost["total"], 3 * (usage_of(1)["prompt_tokens"] + 2) / 1e6)
-    assert "3 replies reported no token counts" in (out / runner.RESULTS_MD).read_text()
+    assert "3 replies reported no token counts" in (out / store.RESULTS_MD).read_text()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,11 +144,11 @@ def test_replies_without_usage_are_counted_apart(letters, tmp_path):
 
 def test_max_requests_stops_after_that_many_and_a_rerun_continues(letters, tmp_path, capsys):
     out = tmp_path / "run"
-    predictions = out / runner.PREDICTIONS_FILE
+    predictions = out / store.PREDICTIONS_FILE
     with ChatServer(priced) as server:
         assert main(argv(server.url, out, "--max-requests", "5")) == eval_cli.EXIT_STOPPED
         assert server.hits == 5 and lines(predictions) == 5
-        assert not (out / runner.RESULTS_JSON).exists()
+        assert not (out / store.RESULTS_JSON).exists()
         assert capsys.readouterr().err.splitlines()[-1] == (
             f"stopped: --max-requests 5 reached: this run sent 5 requests; 5 replies kept in "
             f"{predictions}; rerun the same command to continue"
@@ -165,7 +165,7 @@ def test_max_requests_stops_after_that_many_and_a_rerun_continues(letters, tmp_p
         # Every item was asked exactly once.
         asked = sorted(item_number(body) for _, _, body in server.requests)
         assert asked == list(range(20))
-    results = read(out / runner.RESULTS_JSON)
+    results = read(out / store.RESULTS_JSON)
     assert results["complete"] and results["outcomes"]["answered"] == 20
     assert [h["status"] for h in read(out / manifest.MANIFEST_FILE)["previous"]] == [
         "stopped", "stopped"
@@ -207,7 +207,7 @@ def test_max_cost_with_concurrency_spends_at_most_a_window_more(letters, tmp_pat
         assert code == eval_cli.EXIT_STOPPED
         # Requests out when the limit is reached finish: up to 2 * 4 - 2 more.
         assert 3 <= server.hits <= 3 + 6
-    assert lines(tmp_path / runner.PREDICTIONS_FILE) == server.hits
+    assert lines(tmp_path / store.PREDICTIONS_FILE) == server.hits
 
 
 def test_max_cost_cannot_be_kept_without_usage(letters, tmp_path, capsys):

@@ -17,7 +17,7 @@ from test_eval_runner import run_cli
 from test_foci_builder import _write_image, make_food101
 
 from ood_jax import datasets, scorers
-from ood_jax.eval import runner
+from ood_jax.eval import store
 from ood_jax.metrics import robustness
 from ood_jax.report import read
 
@@ -85,7 +85,7 @@ def ask(argv: list[str], answers: str) -> tuple[dict, ChatServer]:
 
 
 def records_of(out) -> list[dict]:
-    return [json.loads(line) for line in (out / runner.PREDICTIONS_FILE).read_text().splitlines()]
+    return [json.loads(line) for line in (out / store.PREDICTIONS_FILE).read_text().splitlines()]
 
 
 def by_variant(records: list[dict]) -> dict[tuple, list[dict]]:
@@ -140,7 +140,7 @@ def test_foci_per_corruption_beside_a_plain_run(foci_data, tmp_path):
     assert all(
         r["id"].startswith(("clean/food101/", "gaussian_noise_", "brightness_")) for r in records
     )
-    run = json.loads((out / runner.RUN_FILE).read_text())
+    run = json.loads((out / store.RUN_FILE).read_text())
     assert run["benchmark"] == "foci" and run["corrupted"] == name
 
     accuracies = check_foci_accuracies(results, records)
@@ -151,7 +151,7 @@ def test_foci_per_corruption_beside_a_plain_run(foci_data, tmp_path):
     assert_summary(section["robustness"]["test"], summary)
     assert_summary(json.loads((out / robustness.FILE).read_text()), summary)
     assert_summary(json.loads((out / robustness.PER_SPLIT_DIR / "test.json").read_text()), summary)
-    markdown = (out / runner.RESULTS_MD).read_text()
+    markdown = (out / store.RESULTS_MD).read_text()
     assert (
         "### Corruptions" in markdown and "| mPC |" in markdown and "| brightness | 3 |" in markdown
     )
@@ -162,7 +162,7 @@ def test_foci_per_corruption_beside_a_plain_run(foci_data, tmp_path):
     plain, _ = ask([*base, "--output", str(plain_out)], "A B")
     plain_records = records_of(plain_out)
     assert "corruptions" not in plain and not (plain_out / robustness.FILE).exists()
-    assert "corrupted" not in json.loads((plain_out / runner.RUN_FILE).read_text())
+    assert "corrupted" not in json.loads((plain_out / store.RUN_FILE).read_text())
     clean = {
         r["id"].removeprefix("clean/"): r["digest"] for r in by_variant(records)["clean", None]
     }

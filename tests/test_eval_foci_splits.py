@@ -15,7 +15,8 @@ from test_foci_builder import make_food101, make_geode, make_imagenet
 
 from ood_jax import datasets, prompts
 from ood_jax.data import foci as foci_source
-from ood_jax.eval import runner, tasks
+from ood_jax.eval import tasks
+from ood_jax.eval import store
 from ood_jax.eval.tasks.base import pct_ci
 from ood_jax.eval.tasks.foci import FociScoring
 
@@ -95,9 +96,7 @@ def test_one_run_scores_every_half_and_region(data_dir, tmp_path):
     assert "without_split" not in results
 
     # Tagged from the build's splits by image/filename; food101's items carry no split.
-    records = [
-        json.loads(line) for line in (out / runner.PREDICTIONS_FILE).read_text().splitlines()
-    ]
+    records = [json.loads(line) for line in (out / store.PREDICTIONS_FILE).read_text().splitlines()]
     tags = {(r["meta"]["dataset"], r["meta"].get("split")) for r in records}
     assert tags == {("food101", None)} | {(c, s) for c, splits in per_split.items() for s in splits}
     # No new identity: a run directory over these configs is what it was before.
@@ -109,7 +108,7 @@ def test_one_run_scores_every_half_and_region(data_dir, tmp_path):
 
     train = per_split["imagenet_1k"]["train_half"]
     cell = pct_ci(train["accuracy"], train["accuracy_ci"])
-    markdown = (out / runner.RESULTS_MD).read_text()
+    markdown = (out / store.RESULTS_MD).read_text()
     assert "### Per split (FOCI Tables 3 and 7)" in markdown
     assert f"| imagenet_1k | train_half | {cell} | {train['num_items']} |" in markdown
     # Re-scored from the records alone, under another mode: the same splits, the same items.

@@ -13,7 +13,7 @@ from test_clients import ChatServer, completion, prompt_text
 
 from ood_jax import cli
 from ood_jax.eval import cli as eval_cli
-from ood_jax.eval import runner
+from ood_jax.eval import store
 
 USAGE = {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}
 
@@ -70,7 +70,7 @@ def test_every_reply_keeps_what_the_server_said_and_counts_apart(letters, tmp_pa
     out = tmp_path / "run"
     with ChatServer(every_kind_of_reply) as server:
         assert main(argv(server.url, out)) == eval_cli.EXIT_INCOMPLETE
-    records = runner.PredictionStore(out / runner.PREDICTIONS_FILE).records
+    records = store.PredictionStore(out / store.PREDICTIONS_FILE).records
     by_kind = {k: records[f"q{k}"] for k in range(7)}
     assert [by_kind[k]["outcome"] for k in range(7)] == [
         "truncated", "refused", "empty", "answered", "truncated", "error", "answered"
@@ -89,13 +89,13 @@ def test_every_reply_keeps_what_the_server_said_and_counts_apart(letters, tmp_pa
     assert answered["usage"] == USAGE and answered["model"] == "served-id"
     assert answered["attempts"] == 1 and answered["latency_s"] >= 0
 
-    results = json.loads((out / runner.RESULTS_JSON).read_text())
+    results = json.loads((out / store.RESULTS_JSON).read_text())
     assert results["outcomes"] == {
         "answered": 4, "truncated": 4, "refused": 2, "empty": 2, "error": 2
     }  # fmt: skip
     assert results["usage"] == {k: 12 * v for k, v in USAGE.items()}
     assert results["complete"] is False and results["strip_think"] is True
-    markdown = (out / runner.RESULTS_MD).read_text()
+    markdown = (out / store.RESULTS_MD).read_text()
     assert markdown.endswith(
         'Replies: 4 answered, 4 truncated at the token budget (finish_reason "length"), '
         "2 refused, 2 with no answer text, 2 failed requests. Tokens: 120 prompt, "
@@ -112,10 +112,10 @@ def test_think_kept_in_the_reply_when_asked_and_the_identity_says_so(letters, tm
     kept = tmp_path / "kept"
     with ChatServer(every_kind_of_reply) as server:
         main(argv(server.url, kept, "--no-strip-think"))
-        record = runner.PredictionStore(kept / runner.PREDICTIONS_FILE).records["q3"]
+        record = store.PredictionStore(kept / store.PREDICTIONS_FILE).records["q3"]
         # Finding 5: left in, <think> makes the reply unreadable.
         assert record["reply"].startswith("<think>") and record["parsed"] is None
-        assert json.loads((kept / runner.RUN_FILE).read_text())["strip_think"] is False
+        assert json.loads((kept / store.RUN_FILE).read_text())["strip_think"] is False
         hits = server.hits
         code = main(argv(server.url, kept))
     assert code == f"error: {kept} holds predictions of another run (strip_think: False there, True now); use another --output"  # fmt: skip
@@ -134,7 +134,7 @@ def test_request_options_reach_the_server_and_a_resume_cannot_mix_them(letters, 
             assert body["max_completion_tokens"] == 8 and "max_tokens" not in body
             assert "temperature" not in body
             assert body["top_k"] == 1 and body["chat_template_kwargs"] == {"enable_thinking": False}
-        identity = json.loads((out / runner.RUN_FILE).read_text())
+        identity = json.loads((out / store.RUN_FILE).read_text())
         assert identity["token_param"] == "max_completion_tokens"
         assert identity["temperature"] is None and identity["extra_body"]["top_k"] == 1
         hits = server.hits
@@ -179,7 +179,7 @@ def test_an_older_run_directory_resumes_with_the_options_it_had(letters, tmp_pat
     out.mkdir()
     # run.json as written before request options and <think> stripping existed.
     older = {"benchmark": "letters", "client": "openai", "model": "m", "max_tokens": 8}
-    (out / runner.RUN_FILE).write_text(json.dumps(older))
+    (out / store.RUN_FILE).write_text(json.dumps(older))
     answer = lambda body, attempt: (200, {}, completion(right_answer(body)))  # noqa: E731
     with ChatServer(answer) as server:
         assert "strip_think: False there, True now" in main(argv(server.url, out))
@@ -211,9 +211,9 @@ def test_a_run_where_every_request_fails_stops_early(
         assert main(argv(server.url, out)) == eval_cli.EXIT_STOPPED
     # Five items in a row, a window of requests out, and the retries the budget allows.
     assert server.hits <= 25
-    lines = (out / runner.PREDICTIONS_FILE).read_text().splitlines()
+    lines = (out / store.PREDICTIONS_FILE).read_text().splitlines()
     assert len(lines) >= 5 and all(json.loads(line)["error"] for line in lines)
-    assert not (out / runner.RESULTS_JSON).exists()
+    assert not (out / store.RESULTS_JSON).exists()
     err = capsys.readouterr().err.splitlines()
     assert err[:2] == [
         "note: $OPENAI_API_KEY is not set; sending no API key",
@@ -222,7 +222,7 @@ def test_a_run_where_every_request_fails_stops_early(
     ]
     assert len(err) == 3
     assert err[-1].startswith(f"stopped: 5 items in a row failed with HTTP {status} (the last: ")
-    assert f"0 replies kept in {out / runner.PREDICTIONS_FILE}. {fix}" in err[-1]
+    assert f"0 replies kept in {out / store.PREDICTIONS_FILE}. {fix}" in err[-1]
     assert err[-1].endswith("then rerun the same command to continue")
 
 
@@ -245,7 +245,7 @@ def test_a_complete_run_exits_0_and_a_server_that_cannot_be_reached_1(letters, t
     answer = lambda body, attempt: (200, {}, completion(right_answer(body)))  # noqa: E731
     with ChatServer(answer, models=["m"]) as server:
         assert main(argv(server.url, tmp_path / "run")) == 0
-    results = json.loads((tmp_path / "run" / runner.RESULTS_JSON).read_text())
+    results = json.loads((tmp_path / "run" / store.RESULTS_JSON).read_text())
     assert results["complete"] and results["outcomes"]["answered"] == 14
     # The server is gone: the preflight says so before anything else.
     code = main(argv(server.url, tmp_path / "gone"))

@@ -24,6 +24,8 @@ from test_clients import KEY, KEY_ENV, ChatServer, completion, image_parts, prom
 from ood_jax import cli, datasets
 from ood_jax import prompts
 from ood_jax.eval import cli as eval_cli
+from ood_jax.eval import store
+from ood_jax.eval import results as run_results
 from ood_jax.eval import clip_baseline, runner, tasks
 from ood_jax.eval.tasks.oodbench import bap_results, yes_no_results
 from ood_jax.eval.clients import OpenAIChatClient
@@ -171,7 +173,7 @@ def test_foci_run_with_a_flaky_server(foci_data, tmp_path, api_key, capsys):
             run_cli(["eval-mllm", "foci", "--endpoint", server.url, *argv[2:]])
     # A run with a failed item does not exit 0.
     assert failed.value.code == eval_cli.EXIT_INCOMPLETE
-    results = json.loads((out / runner.RESULTS_JSON).read_text())
+    results = json.loads((out / store.RESULTS_JSON).read_text())
     printed = capsys.readouterr()
     # Every request: our key as a Bearer header, greedy, FOCI's 10-token budget, image first.
     for _, headers, body in server.requests:
@@ -203,13 +205,13 @@ def test_foci_run_with_a_flaky_server(foci_data, tmp_path, api_key, capsys):
         "answered": n - 1, "truncated": 0, "refused": 0, "empty": 0, "error": 1
     }  # fmt: skip
 
-    lines = (out / runner.PREDICTIONS_FILE).read_text().splitlines()
+    lines = (out / store.PREDICTIONS_FILE).read_text().splitlines()
     records = [json.loads(line) for line in lines]
     assert len(records) == n and len({r["id"] for r in records}) == n
     (failure,) = [r for r in records if r["error"] is not None]
     assert failure["error_kind"] == "HTTP 500" and failure["attempts"] == 3
     assert failure["outcome"] == "error"
-    assert "## FOCI" in (out / runner.RESULTS_MD).read_text()
+    assert "## FOCI" in (out / store.RESULTS_MD).read_text()
     _no_key_anywhere(out, printed.out, printed.err)
 
     # The rerun sends only the failed item; it works now.
@@ -218,7 +220,7 @@ def test_foci_run_with_a_flaky_server(foci_data, tmp_path, api_key, capsys):
     assert server.hits == 1
     assert again["complete"] is True and again["request_failures"] == 0
     assert f"1 of {n} items failed; rerun the same command to retry them" in printed.err
-    assert len((out / runner.PREDICTIONS_FILE).read_text().splitlines()) == n
+    assert len((out / store.PREDICTIONS_FILE).read_text().splitlines()) == n
 
 
 def _timeless(predictions: pathlib.Path) -> list[dict]:
@@ -256,58 +258,95 @@ def test_killed_run_resumes_without_resending(foci_data, tmp_path):
 
     with ChatServer(respond) as server:
         clean = runner.run(
-            benchmark, OpenAIChatClient(server.url, "m"), tmp_path / "clean", progress=False
+            benchmark,
+            OpenAIChatClient(server.url, "m"),
+            tmp_path / "clean",
+            options=runner.RunOptions(progress=False),
         )
         n = server.hits
-    predictions = tmp_path / "killed" / runner.PREDICTIONS_FILE
+    predictions = tmp_path / "killed" / store.PREDICTIONS_FILE
     with ChatServer(respond) as server:
         client = OpenAIChatClient(server.url, "m")
         with pytest.raises(Killed):
-            runner.run(benchmark, KilledAfter(client, 7), tmp_path / "killed", 1, progress=False)
+            runner.run(
+                benchmark,
+                KilledAfter(client, 7),
+                tmp_path / "killed",
+                options=runner.RunOptions(concurrency=1, progress=False),
+            )
         assert server.hits == 7
         assert len(predictions.read_text().splitlines()) == 7
-        assert not (tmp_path / "killed" / runner.RESULTS_JSON).exists()
+        assert not (tmp_path / "killed" / store.RESULTS_JSON).exists()
         # A kill in the middle of writing: the last line is torn.
         predictions.write_bytes(predictions.read_bytes()[:-25])
-        resumed = runner.run(benchmark, client, tmp_path / "killed", 3, progress=False)
+        resumed = runner.run(
+            benchmark,
+            client,
+            tmp_path / "killed",
+            options=runner.RunOptions(concurrency=3, progress=False),
+        )
         # Only the items never answered and the torn one were sent.
         assert server.hits == 7 + (n - 7) + 1
     assert resumed == clean
-    assert _timeless(predictions) == _timeless(tmp_path / "clean" / runner.PREDICTIONS_FILE)
+    assert _timeless(predictions) == _timeless(tmp_path / "clean" / store.PREDICTIONS_FILE)
 
     # A limited run, then the full one: every item is sent exactly once.
     with ChatServer(respond) as server:
         client = OpenAIChatClient(server.url, "m")
-        runner.run(benchmark, client, tmp_path / "limited", limit=5, progress=False)
+        runner.run(
+            benchmark,
+            client,
+            tmp_path / "limited",
+            options=runner.RunOptions(limit=5, progress=False),
+        )
         assert server.hits == 5
-        assert runner.run(benchmark, client, tmp_path / "limited", progress=False) == clean
+        assert (
+            runner.run(
+                benchmark, client, tmp_path / "limited", options=runner.RunOptions(progress=False)
+            )
+            == clean
+        )
         assert server.hits == n
         # Nothing left: a third run sends nothing.
-        runner.run(benchmark, client, tmp_path / "limited", progress=False)
+        runner.run(
+            benchmark, client, tmp_path / "limited", options=runner.RunOptions(progress=False)
+        )
         assert server.hits == n
 
 
 def test_rerun_refuses_another_model_and_a_corrupt_file(foci_data, tmp_path):
     benchmark = tasks.make_benchmark("foci", data_dir=str(foci_data), config="custom")
     with ChatServer(lambda body, attempt: (200, {}, completion("B"))) as server:
-        runner.run(benchmark, OpenAIChatClient(server.url, "m1"), tmp_path, progress=False)
-        with pytest.raises(runner.RunError, match="model: 'm1' there, 'm2' now"):
-            runner.run(benchmark, OpenAIChatClient(server.url, "m2"), tmp_path, progress=False)
+        runner.run(
+            benchmark,
+            OpenAIChatClient(server.url, "m1"),
+            tmp_path,
+            options=runner.RunOptions(progress=False),
+        )
+        with pytest.raises(store.RunError, match="model: 'm1' there, 'm2' now"):
+            runner.run(
+                benchmark,
+                OpenAIChatClient(server.url, "m2"),
+                tmp_path,
+                options=runner.RunOptions(progress=False),
+            )
         # Another parse mode is no other run: the stored replies are read again, nothing sent.
         hits = server.hits
-        strict = runner.run(
-            benchmark, OpenAIChatClient(server.url, "m1"), tmp_path, progress=False,
-            parse_mode="strict",
-        )  # fmt: skip
+        strict = runner.run(benchmark, OpenAIChatClient(server.url, "m1"), tmp_path, options=runner.RunOptions(progress=False, parse_mode="strict"))  # fmt: skip
         assert server.hits == hits and strict["parse_mode"] == "strict"
-        assert json.loads((tmp_path / runner.RUN_FILE).read_text())["parse_mode"] == "strict"
-        path = tmp_path / runner.PREDICTIONS_FILE
+        assert json.loads((tmp_path / store.RUN_FILE).read_text())["parse_mode"] == "strict"
+        path = tmp_path / store.PREDICTIONS_FILE
         lines = path.read_text().splitlines()
         lines[3] = lines[3][:20]  # a complete but broken line is corruption, not a torn tail
         path.write_text("\n".join(lines) + "\n")
         hits = server.hits
-        with pytest.raises(runner.RunError, match=r"predictions\.jsonl: line 4: malformed JSON"):
-            runner.run(benchmark, OpenAIChatClient(server.url, "m1"), tmp_path, progress=False)
+        with pytest.raises(store.RunError, match=r"predictions\.jsonl: line 4: malformed JSON"):
+            runner.run(
+                benchmark,
+                OpenAIChatClient(server.url, "m1"),
+                tmp_path,
+                options=runner.RunOptions(progress=False),
+            )
         assert server.hits == hits
 
 
@@ -350,7 +389,13 @@ def test_clip_baseline_with_a_fake_scorer(foci_data, tmp_path):
     benchmark = tasks.make_benchmark("foci", data_dir=str(foci_data))
     scorer, templates = FakeScorer(), ("a photo of a {}.", "an image of {}")
     results = clip_baseline.run_clip_baseline(
-        benchmark, scorer, tmp_path / "clip", "fake", templates, batch_size=5, progress=False
+        benchmark,
+        scorer,
+        tmp_path / "clip",
+        "fake",
+        templates,
+        batch_size=5,
+        options=runner.RunOptions(progress=False),
     )
     hits, per_item = [], {}
     for config in ("custom", "imagenet21k_animal"):
@@ -364,13 +409,18 @@ def test_clip_baseline_with_a_fake_scorer(foci_data, tmp_path):
             per_item[f"{config}/{record['image/filename'].decode()}"] = choice
     assert results["accuracy"] == pytest.approx(np.mean(hits))
     assert 0 < np.mean(hits) < 1
-    records = [json.loads(x) for x in (tmp_path / "clip" / runner.PREDICTIONS_FILE).open()]
+    records = [json.loads(x) for x in (tmp_path / "clip" / store.PREDICTIONS_FILE).open()]
     assert {r["id"]: r["parsed"] for r in records} == per_item
     assert all(r["reply"] == "ABCD"[r["parsed"]] for r in records)
     # Resumed: nothing is scored again.
     before = scorer.image_calls
     clip_baseline.run_clip_baseline(
-        benchmark, scorer, tmp_path / "clip", "fake", templates, progress=False
+        benchmark,
+        scorer,
+        tmp_path / "clip",
+        "fake",
+        templates,
+        options=runner.RunOptions(progress=False),
     )
     assert scorer.image_calls == before
 
@@ -378,10 +428,13 @@ def test_clip_baseline_with_a_fake_scorer(foci_data, tmp_path):
     respond = lambda body, attempt: (200, {}, completion(foci_reply(prompt_text(body))))  # noqa: E731
     with ChatServer(respond) as server:
         lvlm = runner.run(
-            benchmark, OpenAIChatClient(server.url, "m"), tmp_path / "lvlm", progress=False
+            benchmark,
+            OpenAIChatClient(server.url, "m"),
+            tmp_path / "lvlm",
+            options=runner.RunOptions(progress=False),
         )
     lvlm_records = {
-        r["id"]: r for r in map(json.loads, (tmp_path / "lvlm" / runner.PREDICTIONS_FILE).open())
+        r["id"]: r for r in map(json.loads, (tmp_path / "lvlm" / store.PREDICTIONS_FILE).open())
     }
     clip_records = {r["id"]: r for r in records}
     split = run_cli(
@@ -410,11 +463,15 @@ def test_clip_baseline_refuses_items_it_cannot_answer(tmp_path):
         benchmark = tasks.make_benchmark("counts-oodg", items=str(path), task=task, ice=ice)
         with pytest.raises(tasks.ItemsError, match=message):
             clip_baseline.run_clip_baseline(
-                benchmark, FakeScorer(), tmp_path / task, "fake", progress=False
+                benchmark,
+                FakeScorer(),
+                tmp_path / task,
+                "fake",
+                options=runner.RunOptions(progress=False),
             )
     zero_shot = tasks.make_benchmark("counts-oodg", items=str(path), task="grounding", ice=0)
     results = clip_baseline.run_clip_baseline(
-        zero_shot, FakeScorer(), tmp_path / "zs", "fake", progress=False
+        zero_shot, FakeScorer(), tmp_path / "zs", "fake", options=runner.RunOptions(progress=False)
     )
     assert results["grounding"][0]["num_items"] == zero_shot.count()
 
@@ -587,7 +644,7 @@ def test_bap_metrics(oodbench_data, tmp_path):
         assert got["l_acc"] == pytest.approx(np.mean(logical))
         assert got["bap"] == pytest.approx(np.mean(everything))
         assert got["logical_samples"] == len(logical)
-    assert "E-Acc" in (tmp_path / runner.RESULTS_MD).read_text()
+    assert "E-Acc" in (tmp_path / store.RESULTS_MD).read_text()
 
 
 def test_bap_l_acc_needs_both_counts_and_the_logical_answer():
@@ -786,7 +843,7 @@ def test_counts_oodg_tables(tmp_path):
             assert cell["mAP"] == pytest.approx(subset["AP"], abs=1e-12)
             assert cell["S"]["mAP"] == pytest.approx(subset["APs"], abs=1e-12)
     assert 0 < results["localization"][0]["mAP"] < 1
-    table = (tmp_path / "run" / runner.RESULTS_MD).read_text()
+    table = (tmp_path / "run" / store.RESULTS_MD).read_text()
     assert "## Visual Grounding" in table and "| 2 (iid) | 1 |" in table
 
     # Filters: one setting, one ICE count, one task.
@@ -809,16 +866,26 @@ def test_changed_item_is_an_error_naming_it(tmp_path):
 
     with ChatServer(respond) as server:
         benchmark = tasks.make_benchmark("counts-oodg", items=str(path))
-        runner.run(benchmark, OpenAIChatClient(server.url, "m"), tmp_path / "run", progress=False)
+        runner.run(
+            benchmark,
+            OpenAIChatClient(server.url, "m"),
+            tmp_path / "run",
+            options=runner.RunOptions(progress=False),
+        )
         hits = server.hits
         records = [json.loads(line) for line in path.read_text().splitlines()]
         records[5]["prompt"] = records[5]["prompt"].replace("Question", "Query")
         path.write_text("".join(json.dumps(r) + "\n" for r in records))
         changed = tasks.make_benchmark("counts-oodg", items=str(path))
         with pytest.raises(
-            runner.RunError, match=f"item '{records[5]['id']}' was answered for another prompt"
+            store.RunError, match=f"item '{records[5]['id']}' was answered for another prompt"
         ):
-            runner.run(changed, OpenAIChatClient(server.url, "m"), tmp_path / "run", progress=False)
+            runner.run(
+                changed,
+                OpenAIChatClient(server.url, "m"),
+                tmp_path / "run",
+                options=runner.RunOptions(progress=False),
+            )
         assert server.hits == hits
 
 
@@ -913,7 +980,7 @@ def test_limit_after_a_finished_run_writes_beside_it(tmp_path, monkeypatch, caps
     full = run_cli(_scripted_argv(items, out))
     assert client.calls == 40 and full["num_items"] == 40 and full["complete"] is True
     assert "limit" not in full
-    kept = [runner.RESULTS_JSON, runner.RESULTS_MD, runner.PREDICTIONS_FILE]
+    kept = [store.RESULTS_JSON, store.RESULTS_MD, store.PREDICTIONS_FILE]
     before = {name: (out / name).read_bytes() for name in kept}
     capsys.readouterr()
 
@@ -923,30 +990,30 @@ def test_limit_after_a_finished_run_writes_beside_it(tmp_path, monkeypatch, caps
     # The full run's results, and the replies of all 40 items, are untouched.
     for name in kept:
         assert (out / name).read_bytes() == before[name], name
-    assert len((out / runner.PREDICTIONS_FILE).read_text().splitlines()) == 40
+    assert len((out / store.PREDICTIONS_FILE).read_text().splitlines()) == 40
     # The subset's results lie beside them, say what they are, and score the first 5 items.
-    json_name, md_name = runner.results_files(5)
+    json_name, md_name = store.results_files(5)
     assert (json_name, md_name) == ("results.limit5.json", "results.limit5.md")
     assert json.loads((out / json_name).read_text()) == subset
     assert subset["num_items"] == 5 and subset["limit"] == 5 and subset["complete"] is True
-    first = [json.loads(line) for line in before[runner.PREDICTIONS_FILE].splitlines()[:5]]
+    first = [json.loads(line) for line in before[store.PREDICTIONS_FILE].splitlines()[:5]]
     scored = tasks.make_benchmark("counts-oodg", items=str(items)).results(first)
-    assert {k: subset[k] for k in scored} == json.loads(json.dumps(runner._json_safe(scored)))
+    assert {k: subset[k] for k in scored} == json.loads(json.dumps(run_results.json_safe(scored)))
     markdown = (out / md_name).read_text()
     assert markdown.startswith("Subset: the first 5 items only (--limit 5)")
     assert printed.out.startswith(markdown)
-    assert f"{out / runner.RESULTS_JSON} (every item) is unchanged" in printed.err
+    assert f"{out / store.RESULTS_JSON} (every item) is unchanged" in printed.err
 
     # Limited first, then the full run: it continues from the stored replies.
     fresh, client = tmp_path / "fresh", ScriptedClient()
     _use_client(monkeypatch, client)
     run_cli(_scripted_argv(items, fresh, "--limit", "5"))
-    assert client.calls == 5 and not (fresh / runner.RESULTS_JSON).exists()
-    assert f"a run without --limit writes {fresh / runner.RESULTS_JSON}" in capsys.readouterr().err
+    assert client.calls == 5 and not (fresh / store.RESULTS_JSON).exists()
+    assert f"a run without --limit writes {fresh / store.RESULTS_JSON}" in capsys.readouterr().err
     assert run_cli(_scripted_argv(items, fresh)) == full
     assert client.calls == 40
-    assert (fresh / runner.PREDICTIONS_FILE).read_bytes() == before[runner.PREDICTIONS_FILE]
-    assert (fresh / runner.RESULTS_JSON).read_bytes() == before[runner.RESULTS_JSON]
+    assert (fresh / store.PREDICTIONS_FILE).read_bytes() == before[store.PREDICTIONS_FILE]
+    assert (fresh / store.RESULTS_JSON).read_bytes() == before[store.RESULTS_JSON]
     assert json.loads((fresh / json_name).read_text()) == subset
     # A limit that leaves no item out is the full run.
     assert run_cli(_scripted_argv(items, fresh, "--limit", "40")) == full
@@ -961,17 +1028,17 @@ def test_ctrl_c_says_what_was_kept_and_the_same_command_continues(tmp_path, monk
     with pytest.raises(SystemExit) as stopped:
         cli.main(argv)
     assert stopped.value.code == cli.INTERRUPTED_EXIT_CODE == 130
-    predictions = out / runner.PREDICTIONS_FILE
+    predictions = out / store.PREDICTIONS_FILE
     assert capsys.readouterr().err.splitlines() == [
         f"interrupted: 3 replies kept in {predictions}; rerun the same command to continue"
     ]
     assert len(predictions.read_text().splitlines()) == 3
-    assert not (out / runner.RESULTS_JSON).exists()
+    assert not (out / store.RESULTS_JSON).exists()
 
     client.interrupt_at = None
     cli.main(argv)
     assert client.calls == 4 + 27  # the interrupted item and the 26 never asked
-    results = json.loads((out / runner.RESULTS_JSON).read_text())
+    results = json.loads((out / store.RESULTS_JSON).read_text())
     assert results["num_items"] == 30 and results["complete"] is True
 
 
@@ -980,15 +1047,19 @@ def test_ctrl_c_with_requests_in_flight_counts_what_it_kept(tmp_path):
     benchmark = tasks.make_benchmark("counts-oodg", items=str(items))
     client = ScriptedClient(interrupt_at=10)
     with pytest.raises(KeyboardInterrupt) as stopped:
-        runner.run(benchmark, client, tmp_path, concurrency=3, progress=False)
-    kept = len((tmp_path / runner.PREDICTIONS_FILE).read_text().splitlines())
+        runner.run(
+            benchmark, client, tmp_path, options=runner.RunOptions(concurrency=3, progress=False)
+        )
+    kept = len((tmp_path / store.PREDICTIONS_FILE).read_text().splitlines())
     assert str(stopped.value) == (
-        f"{kept} replies kept in {tmp_path / runner.PREDICTIONS_FILE}; "
+        f"{kept} replies kept in {tmp_path / store.PREDICTIONS_FILE}; "
         "rerun the same command to continue"
     )
     asked = client.calls
     client.interrupt_at = None
-    assert runner.run(benchmark, client, tmp_path, concurrency=3, progress=False)["complete"]
+    assert runner.run(
+        benchmark, client, tmp_path, options=runner.RunOptions(concurrency=3, progress=False)
+    )["complete"]
     assert client.calls - asked == 30 - kept
 
 
@@ -1003,8 +1074,15 @@ def test_ctrl_c_in_a_batched_run(tmp_path):
             raise KeyboardInterrupt
         return ["(A)"] * len(batch)
 
-    predictions = tmp_path / runner.PREDICTIONS_FILE
+    predictions = tmp_path / store.PREDICTIONS_FILE
     with pytest.raises(KeyboardInterrupt) as stopped:
-        runner.run_batched(benchmark, {"client": "batch"}, answer, tmp_path, 4, progress=False)
+        runner.run_batched(
+            benchmark,
+            {"client": "batch"},
+            answer,
+            tmp_path,
+            4,
+            options=runner.RunOptions(progress=False),
+        )
     assert str(stopped.value).startswith(f"8 replies kept in {predictions}; rerun")
     assert len(predictions.read_text().splitlines()) == 8

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from ood_jax.eval import clients, interleaving
+from ood_jax.eval import store
 from ood_jax.eval import probe as endpoint_probe
 from ood_jax.eval.clients import ImageInput, Request
 from ood_jax.eval.interleaving import IMAGE
@@ -164,7 +165,6 @@ def test_eval_mllm_local_runs_a_hoisting_model_with_images_in_place(models, tmp_
     import json
 
     from ood_jax import cli, prompts
-    from ood_jax.eval import runner
 
     options = ["cat", "dog", "cow", "hen"]
     items, requests = [], {}
@@ -187,10 +187,10 @@ def test_eval_mllm_local_runs_a_hoisting_model_with_images_in_place(models, tmp_
     cli.main(
         [*argv, models["llava"], "--output", str(output), "--max-tokens", "4", "--no-progress"]
     )
-    results = json.loads((output / runner.RESULTS_JSON).read_text())
+    results = json.loads((output / store.RESULTS_JSON).read_text())
     assert results["images"] == "in place, chat template bypassed"
     client = clients.TransformersClient(models["llava"], max_new_tokens=4)
-    for line in (output / runner.PREDICTIONS_FILE).open():
+    for line in (output / store.PREDICTIONS_FILE).open():
         record = json.loads(line)
         assert record["reply"] == client.generate(requests[record["id"]]).text
 

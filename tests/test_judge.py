@@ -15,6 +15,7 @@ from test_clients import ChatServer, completion, prompt_text
 
 from ood_jax import cli
 from ood_jax.eval import cli as eval_cli
+from ood_jax.eval import store
 from ood_jax.eval import judge, rescore, runner
 from ood_jax.eval.clients import ClientError, Request
 from ood_jax.eval.tasks import Foci, Item
@@ -121,8 +122,8 @@ def test_only_replies_no_rule_reads_go_to_the_judge_and_are_cached(text_foci, tm
         assert main(argv(served.url, out, *judge_flags(judging.url))) == 0
         assert (served.hits, judging.hits) == (model_hits, judge_hits)
 
-    results = json.loads((out / runner.RESULTS_JSON).read_text())
-    records = runner.PredictionStore(out / runner.PREDICTIONS_FILE).records
+    results = json.loads((out / store.RESULTS_JSON).read_text())
+    records = store.PredictionStore(out / store.PREDICTIONS_FILE).records
     for k in range(20):
         record = records[f"custom/{k}"]
         assert record["parsed"] == expected_parsed(k), k
@@ -140,20 +141,20 @@ def test_only_replies_no_rule_reads_go_to_the_judge_and_are_cached(text_foci, tm
         "named_none": len(judged) - len(named), "without_verdict": 0,
         "judged_correct": sum(expected_parsed(k) == k % 4 for k in judged),
     }  # fmt: skip
-    markdown = (out / runner.RESULTS_MD).read_text()
+    markdown = (out / store.RESULTS_MD).read_text()
     assert f"{len(judged)} replies no rule could read went to the judge" in markdown
     assert "| judge (these results) |" in markdown
     # judge.jsonl: one line per distinct question, with the judge's identity and its reply.
     lines = [json.loads(x) for x in (out / judge.JUDGE_FILE).read_text().splitlines()]
     assert len(lines) == len(unread)
     assert {line["said"] for line in lines} == {"choice", "none"}
-    run_file = json.loads((out / runner.RUN_FILE).read_text())
+    run_file = json.loads((out / store.RUN_FILE).read_text())
     assert run_file["judge"]["model"] == "judge-1" and run_file["parse_mode"] == "judge"
 
     # Re-scored from the kept verdicts, sending nothing: the run's own results again.
-    before = (out / runner.RESULTS_JSON).read_bytes()
+    before = (out / store.RESULTS_JSON).read_bytes()
     ((_, path, again, _),) = rescore.rescore(out, ["judge"])
-    assert path == out / runner.RESULTS_JSON and again == results
+    assert path == out / store.RESULTS_JSON and again == results
     assert path.read_bytes() == before
 
 
@@ -172,9 +173,9 @@ def test_the_judge_is_part_of_the_run_and_another_mode_needs_none(text_foci, tmp
         model_hits = served.hits
         assert main(argv(served.url, out, "--parse-mode", "strict")) == 0
         assert (served.hits, judging.hits) == (model_hits, hits)
-    strict = json.loads((out / runner.RESULTS_JSON).read_text())
+    strict = json.loads((out / store.RESULTS_JSON).read_text())
     assert strict["parse_mode"] == "strict" and "judge" not in strict
-    assert json.loads((out / runner.RUN_FILE).read_text())["judge"]["model"] == "judge-1"
+    assert json.loads((out / store.RUN_FILE).read_text())["judge"]["model"] == "judge-1"
 
 
 @pytest.mark.parametrize(
@@ -206,10 +207,10 @@ def test_failed_judge_requests_leave_the_run_incomplete_and_are_retried(
     with ChatServer(model) as served, ChatServer(flaky_judge) as judging:
         code = main(argv(served.url, out, *judge_flags(judging.url)))
     assert code == eval_cli.EXIT_INCOMPLETE
-    results = json.loads((out / runner.RESULTS_JSON).read_text())
+    results = json.loads((out / store.RESULTS_JSON).read_text())
     assert results["complete"] is False and results["judge"]["without_verdict"] == 2
     assert "2 replies have no verdict: their judge requests failed" in capsys.readouterr().err
-    with pytest.raises(runner.RunError, match="2 replies no rule reads have no verdict"):
+    with pytest.raises(store.RunError, match="2 replies no rule reads have no verdict"):
         rescore.rescore(out, ["judge"], out=tmp_path / "elsewhere")
 
     with ChatServer(model) as served, ChatServer(judge_server) as judging:
@@ -217,7 +218,7 @@ def test_failed_judge_requests_leave_the_run_incomplete_and_are_retried(
         # Only the failed question was asked again.
         assert [judged_reply(prompt_text(b)) for _, _, b in judging.requests] == [REPLIES[3]]
         assert served.hits == 0
-    assert json.loads((out / runner.RESULTS_JSON).read_text())["judge"]["without_verdict"] == 0
+    assert json.loads((out / store.RESULTS_JSON).read_text())["judge"]["without_verdict"] == 0
 
 
 class ScriptedJudge:
@@ -248,8 +249,7 @@ def test_ctrl_c_while_judging_keeps_the_verdicts(tmp_path):
     benchmark, client = TextFoci(12), ScriptedModel()
     judging = judge.Judge(ScriptedJudge(interrupt_at=4), tmp_path, concurrency=1)
     with pytest.raises(KeyboardInterrupt) as stopped:
-        runner.run(benchmark, client, tmp_path, 1, progress=False, parse_mode="judge",
-                   judge=judging)  # fmt: skip
+        runner.run(benchmark, client, tmp_path, judge=judging, options=runner.RunOptions(concurrency=1, progress=False, parse_mode="judge"))  # fmt: skip
     # The verdicts before Ctrl-C, and any that came back alongside it.
     kept = len((tmp_path / judge.JUDGE_FILE).read_text().splitlines())
     assert kept >= 3
@@ -257,12 +257,9 @@ def test_ctrl_c_while_judging_keeps_the_verdicts(tmp_path):
         f"{kept} judge verdicts kept in {tmp_path / judge.JUDGE_FILE}; rerun the same command "
         "to continue"
     )
-    assert not (tmp_path / runner.RESULTS_JSON).exists()
+    assert not (tmp_path / store.RESULTS_JSON).exists()
     resumed = ScriptedJudge()
-    results = runner.run(
-        benchmark, client, tmp_path, 1, progress=False, parse_mode="judge",
-        judge=judge.Judge(resumed, tmp_path, concurrency=1),
-    )  # fmt: skip
+    results = runner.run(benchmark, client, tmp_path, judge=judge.Judge(resumed, tmp_path, concurrency=1), options=runner.RunOptions(concurrency=1, progress=False, parse_mode="judge"))  # fmt: skip
     assert resumed.calls == 12 - kept
     assert results["judge"]["named_an_option"] == 12 and results["num_correct"] == 3
 
@@ -307,10 +304,7 @@ def test_a_judge_that_fails_in_a_row_stops_asking(tmp_path):
             raise ClientError("HTTP 503 from judge", "HTTP 503")
 
     benchmark = TextFoci(40)
-    results = runner.run(
-        benchmark, ScriptedModel(), tmp_path, 1, progress=False, parse_mode="judge",
-        judge=judge.Judge(Down(), tmp_path, concurrency=1, max_consecutive_failures=3),
-    )  # fmt: skip
+    results = runner.run(benchmark, ScriptedModel(), tmp_path, judge=judge.Judge(Down(), tmp_path, concurrency=1, max_consecutive_failures=3), options=runner.RunOptions(concurrency=1, progress=False, parse_mode="judge"))  # fmt: skip
     lines = (tmp_path / judge.JUDGE_FILE).read_text().splitlines()
     # Three in a row, and the one already out when the third came back; not all forty.
     assert len(lines) == 4 and all(json.loads(x)["error_kind"] == "HTTP 503" for x in lines)

@@ -20,6 +20,8 @@ from test_mining_foci import FakeScorer, _write_image
 
 from ood_jax import cli, datasets, manifest, prompts
 from ood_jax.eval import cli as eval_cli
+from ood_jax.eval import store
+from ood_jax.eval import scheduling
 from ood_jax.eval import compare, parsing, runner, tasks
 from ood_jax.eval.clients import ClientError, OpenAIChatClient, Request
 from ood_jax.eval.tasks.base import Item
@@ -209,7 +211,7 @@ def eval_argv(url: str, out: pathlib.Path, *extra: str) -> list[str]:
 
 
 def records_of(out: pathlib.Path) -> list[dict]:
-    return list(runner.PredictionStore(out / runner.PREDICTIONS_FILE).records.values())
+    return list(store.PredictionStore(out / store.PREDICTIONS_FILE).records.values())
 
 
 def test_eval_mllm_manifest_against_the_loopback_server(letters, tmp_path, monkeypatch):
@@ -278,7 +280,9 @@ def test_the_items_digest_differs_exactly_when_compare_refuses(tmp_path):
     def run(benchmark, name: str, model: str) -> str:
         with ChatServer(chat) as server:
             client = OpenAIChatClient(server.url, model)
-            runner.run(benchmark, client, tmp_path / name, progress=False)
+            runner.run(
+                benchmark, client, tmp_path / name, options=runner.RunOptions(progress=False)
+            )
         return read_manifest(tmp_path / name / manifest.MANIFEST_FILE)["items"]["digest"]
 
     a = run(Letters(6), "a", "m1")
@@ -303,7 +307,12 @@ def test_a_tfds_benchmark_names_its_builds(foci_data, tmp_path):  # noqa: F811
         return 200, {}, completion(foci_reply(prompt_text(body)))
 
     with ChatServer(respond) as server:
-        runner.run(benchmark, OpenAIChatClient(server.url, "m"), tmp_path, progress=False)
+        runner.run(
+            benchmark,
+            OpenAIChatClient(server.url, "m"),
+            tmp_path,
+            options=runner.RunOptions(progress=False),
+        )
     written = read_manifest(tmp_path / manifest.MANIFEST_FILE)
     directory = tasks.dataset_dir(foci_data, "foci", "custom")
     assert written["dataset"] == {
@@ -336,13 +345,15 @@ class Failing:
     "client, raised, status, reason",
     [
         (ScriptedClient(interrupt_at=3), KeyboardInterrupt, "interrupted", "replies kept in"),
-        (Failing(), runner.RunStopped, "stopped", "5 items in a row failed with HTTP 500"),
+        (Failing(), scheduling.RunStopped, "stopped", "5 items in a row failed with HTTP 500"),
         (Failing(RuntimeError("boom")), RuntimeError, "failed", "RuntimeError: boom"),
     ],
 )
 def test_a_run_that_ends_early_says_how(tmp_path, client, raised, status, reason):
     with pytest.raises(raised):
-        runner.run(Letters(20), client, tmp_path, concurrency=1, progress=False)
+        runner.run(
+            Letters(20), client, tmp_path, options=runner.RunOptions(concurrency=1, progress=False)
+        )
     written = read_manifest(tmp_path / manifest.MANIFEST_FILE)
     assert written["status"] == status and reason in written["reason"]
     assert written["ended"] is not None and "items" not in written

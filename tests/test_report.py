@@ -29,7 +29,9 @@ from PIL import Image
 
 from ood_jax import files, manifest, report
 from ood_jax.detection import evaluation
-from ood_jax.eval import clip_baseline, runner
+from ood_jax.eval import clip_baseline
+from ood_jax.eval import store
+from ood_jax.eval import results as run_results
 from ood_jax.eval.tasks import CountsOodgScoring, FociScoring, OodBenchBapScoring
 from ood_jax.eval.tasks import OodBenchScoring
 from ood_jax.eval.tasks.base import scored
@@ -126,10 +128,10 @@ def write_mllm_run(directory: pathlib.Path, scoring, identity: dict, asked: list
         )
         for k, (meta, reply) in enumerate(asked)
     ]
-    results, markdown = runner.build_results(scoring, identity, records)
-    files.write_atomic(directory / runner.RESULTS_JSON, json.dumps(results, indent=2) + "\n")
-    files.write_atomic(directory / runner.RESULTS_MD, markdown)
-    files.write_atomic(directory / runner.RUN_FILE, json.dumps(identity, indent=2) + "\n")
+    results, markdown = run_results.build_results(scoring, identity, records)
+    files.write_atomic(directory / store.RESULTS_JSON, json.dumps(results, indent=2) + "\n")
+    files.write_atomic(directory / store.RESULTS_MD, markdown)
+    files.write_atomic(directory / store.RUN_FILE, json.dumps(identity, indent=2) + "\n")
     return results
 
 

@@ -20,6 +20,7 @@ from test_eval_runner import (  # noqa: F401 (foci_data, oodbench_data: fixtures
 )
 
 from ood_jax.eval import parsing, rescore, runner
+from ood_jax.eval import store
 
 # Reply shapes the model under test answers with, by the prompt's hash: parse modes disagree.
 SHAPES = [
@@ -88,7 +89,7 @@ def test_rescore_equals_a_fresh_run_under_each_mode_and_sends_nothing(foci, tmp_
     for mode in ("strict", "last"):
         assert by_mode[mode] == fresh[mode]
         md = (tmp_path / "run" / f"results.{mode}.md").read_text()
-        assert md == (tmp_path / mode / runner.RESULTS_MD).read_text()
+        assert md == (tmp_path / mode / store.RESULTS_MD).read_text()
     # The stored replies are untouched.
     assert snapshot(tmp_path / "run")["predictions.jsonl"] == before["predictions.jsonl"]
     assert by_mode["foci"]["accuracy"] != by_mode["last"]["accuracy"]
@@ -98,7 +99,7 @@ def test_the_audit_matches_the_parsers_on_the_stored_replies(foci, tmp_path):
     with ChatServer(shaped) as server:
         results = eval_foci(server.url, foci, tmp_path / "run", "--parse-mode", "strict")
     records = list(
-        runner.PredictionStore(tmp_path / "run" / runner.PREDICTIONS_FILE).records.values()
+        store.PredictionStore(tmp_path / "run" / store.PREDICTIONS_FILE).records.values()
     )
     readings = {
         mode: [parsing.read_choice(r["reply"], r["meta"]["options"], mode) for r in records]
@@ -122,7 +123,7 @@ def test_the_audit_matches_the_parsers_on_the_stored_replies(foci, tmp_path):
     assert audit["pairwise_differs"]["foci"]["last"] == sum(
         a != b for a, b in zip(readings["foci"], readings["last"])
     )
-    markdown = (tmp_path / "run" / runner.RESULTS_MD).read_text()
+    markdown = (tmp_path / "run" / store.RESULTS_MD).read_text()
     assert "## Parser audit" in markdown and "| strict (these results) |" in markdown
     assert f"{100 * audit['max_movement']:.2f} points." in markdown
 
@@ -138,9 +139,9 @@ def test_another_mode_in_eval_mllm_rescores_without_asking_and_is_kept(foci, tmp
         again = eval_foci(server.url, foci, out)
         assert server.hits == hits
     assert strict["parse_mode"] == again["parse_mode"] == "strict" and again == strict
-    assert json.loads((out / runner.RUN_FILE).read_text())["parse_mode"] == "strict"
+    assert json.loads((out / store.RUN_FILE).read_text())["parse_mode"] == "strict"
     # predictions.jsonl says what the results count.
-    records = runner.PredictionStore(out / runner.PREDICTIONS_FILE).records.values()
+    records = store.PredictionStore(out / store.PREDICTIONS_FILE).records.values()
     assert sum(bool(r["correct"]) for r in records) == strict["num_correct"]
     # rescore's default is the run's mode now.
     ((mode, path, _, _),) = rescore.rescore(out)
@@ -174,7 +175,7 @@ def test_an_older_run_directory_with_the_parse_mode_in_its_identity(foci, tmp_pa
         # options existed), with only the first 10 items answered.
         older = {"benchmark": "foci", "parse_mode": "strict", "client": "openai", "model": "m",
                  "max_tokens": 10}  # fmt: skip
-        (out / runner.RUN_FILE).write_text(json.dumps(older))
+        (out / store.RUN_FILE).write_text(json.dumps(older))
         # It resumes: the stored mode is the default, no other mode is refused.
         resumed = run_cli(
             [*foci_argv(foci, out, "--no-strip-think")[:4], "--endpoint", server.url,
@@ -185,7 +186,7 @@ def test_an_older_run_directory_with_the_parse_mode_in_its_identity(foci, tmp_pa
         assert server.hits == 23 and foci["parse_mode"] == "foci"
     assert hits == 10
     # It now holds the whole identity it matched, and the mode of its latest results.
-    assert json.loads((out / runner.RUN_FILE).read_text()) == {
+    assert json.loads((out / store.RUN_FILE).read_text()) == {
         **{k: v for k, v in older.items() if k != "parse_mode"}, "token_param": "max_tokens",
         "temperature": 0, "extra_body": {}, "strip_think": False, "parse_mode": "foci",
     }  # fmt: skip
@@ -201,7 +202,7 @@ def test_rescore_of_a_limited_run(foci, tmp_path):
     assert markdown.startswith("Subset: the first 6 items only")
     ((_, path, _, _),) = rescore.rescore(tmp_path / "run", ["last"], limit=6)
     assert path.name == "results.limit6.last.json"
-    with pytest.raises(runner.RunError, match=r"results\.json: not found"):
+    with pytest.raises(store.RunError, match=r"results\.json: not found"):
         rescore.rescore(tmp_path / "run")
 
 
@@ -215,7 +216,7 @@ def test_a_task_read_one_way_rescores_and_refuses_modes(oodbench, tmp_path):
     assert "parse_mode" not in results and "parser_audit" not in results
     ((mode, _, again, _),) = rescore.rescore(tmp_path)
     assert mode is None and again == results
-    with pytest.raises(runner.RunError, match="oodbench reads its replies one way"):
+    with pytest.raises(store.RunError, match="oodbench reads its replies one way"):
         rescore.rescore(tmp_path, ["last"])
     code = None
     try:
@@ -233,20 +234,20 @@ def test_a_task_read_one_way_rescores_and_refuses_modes(oodbench, tmp_path):
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda d: (d / runner.RUN_FILE).unlink(), r"run\.json: not found; is .* a run directory"),
-        (lambda d: (d / runner.RUN_FILE).write_text("{"), r"run\.json: malformed JSON"),
+        (lambda d: (d / store.RUN_FILE).unlink(), r"run\.json: not found; is .* a run directory"),
+        (lambda d: (d / store.RUN_FILE).write_text("{"), r"run\.json: malformed JSON"),
         (
-            lambda d: (d / runner.RUN_FILE).write_text('{"benchmark": "mmbench"}'),
+            lambda d: (d / store.RUN_FILE).write_text('{"benchmark": "mmbench"}'),
             r"run\.json: benchmark 'mmbench' is none of",
         ),
         (
-            lambda d: (d / runner.PREDICTIONS_FILE).write_text(
-                "".join((d / runner.PREDICTIONS_FILE).read_text().splitlines(True)[:5])
+            lambda d: (d / store.PREDICTIONS_FILE).write_text(
+                "".join((d / store.PREDICTIONS_FILE).read_text().splitlines(True)[:5])
             ),
             r"predictions\.jsonl holds 5 records, fewer than the 23 items .*results\.json counts",
         ),
         (
-            lambda d: (d / runner.RESULTS_JSON).write_text('{"num_items": "x"}'),
+            lambda d: (d / store.RESULTS_JSON).write_text('{"num_items": "x"}'),
             r"results\.json: field 'num_items' must be a count",
         ),
     ],
@@ -257,7 +258,7 @@ def test_rescore_errors_name_the_file(foci, tmp_path, damage, message):
     broken = tmp_path / "broken"
     shutil.copytree(tmp_path / "run", broken)
     damage(broken)
-    with pytest.raises(runner.RunError, match=message):
+    with pytest.raises(store.RunError, match=message):
         rescore.rescore(broken)
     with pytest.raises(SystemExit, match="^error: "):
         run_cli(["rescore", str(broken)])
@@ -288,7 +289,12 @@ def test_counts_oodg_grounding_is_audited_and_rescored(tmp_path):
 
     items, _ = write_oodg_items(tmp_path / "mined", count=24)
     benchmark = tasks.make_benchmark("counts-oodg", items=str(items))
-    run = runner.run(benchmark, CyclingClient(), tmp_path / "run", 1, progress=False)
+    run = runner.run(
+        benchmark,
+        CyclingClient(),
+        tmp_path / "run",
+        options=runner.RunOptions(concurrency=1, progress=False),
+    )
     assert run["parse_mode"] == "strict"
     audit = run["parser_audit"]
     grounding = [json.loads(x) for x in items.read_text().splitlines() if '"grounding"' in x]
@@ -298,14 +304,14 @@ def test_counts_oodg_grounding_is_audited_and_rescored(tmp_path):
     assert path.name == "results.last.json" and last["parse_mode"] == "last"
     assert last["grounding"] != run["grounding"]  # "(A) no. ... [D]" reads D, not nothing
     assert last["mapping"] == run["mapping"] and last["localization"] == run["localization"]
-    with pytest.raises(runner.RunError, match="counts-oodg reads replies under parse mode"):
+    with pytest.raises(store.RunError, match="counts-oodg reads replies under parse mode"):
         rescore.rescore(tmp_path / "run", ["foci"])
 
 
 def test_rescore_keeps_the_runs_prices(foci, tmp_path):
     with ChatServer(shaped) as server:
         eval_foci(server.url, foci, tmp_path / "run", "--price-in", "2", "--price-out", "8")
-    results = json.loads((tmp_path / "run" / runner.RESULTS_JSON).read_text())
+    results = json.loads((tmp_path / "run" / store.RESULTS_JSON).read_text())
     assert results["cost"]["prices"]["input"] == 2
     (rescored,) = run_cli(["rescore", str(tmp_path / "run"), "--parse-mode", "last"])
     assert rescored["cost"] == results["cost"]

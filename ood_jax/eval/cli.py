@@ -24,7 +24,8 @@ import pathlib
 import sys
 
 from ood_jax import help_text
-from ood_jax.eval import clients, interleaving, judge, probe, rescore, runner, tasks
+from ood_jax.eval import accounting, clients, interleaving, judge, probe, rescore, runner
+from ood_jax.eval import scheduling, store, tasks
 from ood_jax.eval.tasks import corrupted, foci, oodbench
 from ood_jax.metrics import robustness
 from ood_jax.stats import cli as stats_cli
@@ -271,9 +272,9 @@ def _add_eval_mllm(subparsers) -> None:
     p.add_argument(
         "--max-consecutive-failures",
         type=int,
-        default=runner.DEFAULT_MAX_CONSECUTIVE_FAILURES,
+        default=scheduling.DEFAULT_MAX_CONSECUTIVE_FAILURES,
         help="stop the run when this many items in a row fail with the same kind of error, "
-        f"keeping every reply (default {runner.DEFAULT_MAX_CONSECUTIVE_FAILURES}; 0: never)",
+        f"keeping every reply (default {scheduling.DEFAULT_MAX_CONSECUTIVE_FAILURES}; 0: never)",
     )
     cost = p.add_argument_group("cost and limits (--endpoint, --local)")
     cost.add_argument(
@@ -439,10 +440,10 @@ def _check_cost_arguments(args: argparse.Namespace) -> None:
         )
 
 
-def _prices(args: argparse.Namespace) -> runner.Prices | None:
+def _prices(args: argparse.Namespace) -> accounting.Prices | None:
     if args.price_in is None:
         return None
-    return runner.Prices(args.price_in, args.price_out)
+    return accounting.Prices(args.price_in, args.price_out)
 
 
 def _make_client(args: argparse.Namespace, max_tokens: int):
@@ -527,42 +528,38 @@ def run_eval_mllm(args: argparse.Namespace) -> dict:
             results = _run_clip(args, benchmark, progress)
         else:
             client = _make_client(args, args.max_tokens or benchmark.default_max_tokens)
-            results = runner.run(
-                benchmark,
-                client,
-                args.output,
+            options = runner.RunOptions(
                 concurrency=args.concurrency,
                 limit=args.limit,
                 progress=progress,
                 retry_budget=args.retry_budget,
                 max_consecutive_failures=args.max_consecutive_failures,
                 strip_think=args.strip_think,
-                warnings=_interleaving_warnings(args, benchmark),
+                warnings=tuple(_interleaving_warnings(args, benchmark)),
                 parse_mode=args.parse_mode,
-                judge=_make_judge(args),
                 prices=_prices(args),
-                max_requests=args.max_requests,
-                max_cost=args.max_cost,
+                limits=accounting.Limits(args.max_requests, args.max_cost),
             )
-    except (runner.RunError, tasks.ItemsError, FileNotFoundError) as e:
+            results = runner.run(benchmark, client, args.output, options, _make_judge(args))
+    except (store.RunError, tasks.ItemsError, FileNotFoundError) as e:
         raise _fail(str(e)) from None
-    except runner.LimitReached as e:
+    except scheduling.LimitReached as e:
         print(f"stopped: {e}; rerun the same command to continue", file=sys.stderr)
         raise SystemExit(EXIT_STOPPED) from None
-    except runner.RunStopped as e:
+    except scheduling.RunStopped as e:
         print(
             f"stopped: {e}. To fix: {fix_for(e.kind)}; then rerun the same command to continue",
             file=sys.stderr,
         )
         raise SystemExit(EXIT_STOPPED) from None
     output = pathlib.Path(args.output)
-    json_name, md_name = runner.results_files(results.get("limit"))
+    json_name, md_name = store.results_files(results.get("limit"))
     print((output / md_name).read_text())
     # A --limit run's numbers are a subset's: they never replace the run's corruptions.json.
     if "limit" not in results and corrupted.write_robustness(output, results):
         print(f"mPC and rPC -> {output / robustness.FILE}", file=sys.stderr)
     if "limit" in results:
-        full = output / runner.RESULTS_JSON
+        full = output / store.RESULTS_JSON
         rest = (
             f"{full} (every item) is unchanged"
             if full.exists()
@@ -579,7 +576,7 @@ def run_eval_mllm(args: argparse.Namespace) -> dict:
             print(
                 f"{failed} of {results['num_items']} items failed; rerun the "
                 "same command to retry them "
-                f"(details in {pathlib.Path(args.output) / runner.PREDICTIONS_FILE})",
+                f"(details in {pathlib.Path(args.output) / store.PREDICTIONS_FILE})",
                 file=sys.stderr,
             )
         unjudged = results.get("judge", {}).get("without_verdict", 0)
@@ -685,8 +682,7 @@ def _run_clip(args: argparse.Namespace, benchmark: tasks.Benchmark, progress: bo
         scorer_name=args.model or str(pathlib.Path(args.clip).resolve()),
         templates=tuple(args.templates or clip_baseline.DEFAULT_TEMPLATES),
         batch_size=args.batch_size,
-        limit=args.limit,
-        progress=progress,
+        options=runner.RunOptions(limit=args.limit, progress=progress),
     )
 
 
@@ -742,7 +738,7 @@ def run_rescore(args: argparse.Namespace) -> list[dict]:
         raise _fail(f"--limit must be at least 0, got {args.limit}")
     try:
         written = rescore.rescore(args.run_dir, args.parse_mode, args.out, args.limit)
-    except (runner.RunError, FileNotFoundError) as e:
+    except (store.RunError, FileNotFoundError) as e:
         raise _fail(str(e)) from None
     if args.json:
         print(json.dumps({str(path): results for _, path, results, _ in written}, indent=2))

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ood_jax.eval import runner
+from ood_jax.eval import runner, store
 from ood_jax.eval.tasks.base import Benchmark, Item, ItemsError
 
 # CLIP's standard single zero-shot prompt; FOCI's exact template is not printed in the paper.
@@ -98,27 +98,19 @@ def run_clip_baseline(
     scorer_name: str,
     templates: Sequence[str] = DEFAULT_TEMPLATES,
     batch_size: int = 64,
-    limit: int | None = None,
-    progress: bool = True,
+    options: runner.RunOptions = runner.RunOptions(),
 ) -> dict:
     """Runs the baseline over `benchmark` into `output` (resumable, as `runner.run`)."""
     answerer = ClipAnswerer(scorer, templates)
-    return runner.run_batched(
-        benchmark,
-        scorer_identity(scorer_name, templates),
-        answerer,
-        output,
-        batch_size=batch_size,
-        limit=limit,
-        progress=progress,
-    )
+    identity = scorer_identity(scorer_name, templates)
+    return runner.run_batched(benchmark, identity, answerer, output, batch_size, options)
 
 
 def _load_predictions(directory: str | pathlib.Path) -> dict[str, dict]:
-    path = pathlib.Path(directory) / runner.PREDICTIONS_FILE
+    path = pathlib.Path(directory) / store.PREDICTIONS_FILE
     if not path.exists():
         raise FileNotFoundError(f"{path}: no predictions")
-    return runner.PredictionStore(path, repair=False).records
+    return store.PredictionStore(path, repair=False).records
 
 
 def conditional_accuracy(

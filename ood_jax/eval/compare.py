@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from ood_jax import help_text, stats
-from ood_jax.eval import runner
+from ood_jax.eval import store
 from ood_jax.metrics import classification
 from ood_jax.eval.tasks.counts_oodg import OODG_SETTINGS
 from ood_jax.eval.tasks.oodbench import OODBENCH_SPLITS
@@ -70,7 +70,7 @@ class Run:
 
     @property
     def run_file(self) -> pathlib.Path:
-        return self.directory / runner.RUN_FILE
+        return self.directory / store.RUN_FILE
 
     @property
     def benchmark(self) -> str:
@@ -82,8 +82,8 @@ RECORD_FIELDS = ("parsed", "correct", "error", "meta")
 
 
 def _read_identity(directory: pathlib.Path) -> dict:
-    path = directory / runner.RUN_FILE
-    identity = runner.read_run_file(directory)
+    path = directory / store.RUN_FILE
+    identity = store.read_run_file(directory)
     if identity is None:
         raise ValueError(f"{path}: not found (eval-mllm writes it when a run starts)")
     if not isinstance(identity.get("benchmark"), str):
@@ -104,18 +104,18 @@ def load_run(directory: str | pathlib.Path) -> Run:
     directory = pathlib.Path(directory)
     if not directory.is_dir():
         raise ValueError(f"{directory}: no such run directory")
-    path = directory / runner.PREDICTIONS_FILE
+    path = directory / store.PREDICTIONS_FILE
     if not path.is_file():
-        raise ValueError(f"{directory}: no {runner.PREDICTIONS_FILE} (not an eval-mllm run)")
+        raise ValueError(f"{directory}: no {store.PREDICTIONS_FILE} (not an eval-mllm run)")
     identity = _read_identity(directory)
     # Read as a resumed run reads it (latest record per id, a torn last line ignored), but
     # never repaired: comparing must not change a run directory.
-    store = runner.PredictionStore(path, repair=False)
-    if not store.records:
+    predictions = store.PredictionStore(path, repair=False)
+    if not predictions.records:
         raise ValueError(f"{path}: no predictions")
-    for record in store.records.values():
+    for record in predictions.records.values():
         _check_record(path, record)
-    return Run(directory, path, identity, store.records, store.torn_line_dropped)
+    return Run(directory, path, identity, predictions.records, predictions.torn_line_dropped)
 
 
 # ---------------------------------------------------------------------------------------------

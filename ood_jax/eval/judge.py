@@ -8,7 +8,7 @@ letter, or Z for none. The prompt is this module's own (PROMPT_VERSION). Unlike 
 reply the judge places under no option stays unread (wrong); it is never given a random option.
 
 DIR/judge.jsonl keeps the verdicts, one JSON line per question, appended and flushed as they
-arrive, so a killed run keeps them and a torn last line is asked again (runner.PredictionStore
+arrive, so a killed run keeps them and a torn last line is asked again (store.PredictionStore
 reads it): id (the question's key, SHA-256 of the judge's identity and its prompt: the same
 options and reply are judged once, and another judge or prompt version never reads this one's
 verdicts), digest (SHA-256 of the prompt), item (the first item it was asked for), reply_sha256,
@@ -27,7 +27,7 @@ import string
 from collections.abc import Sequence
 from typing import Any
 
-from ood_jax.eval import parsing, runner
+from ood_jax.eval import parsing, scheduling, store
 from ood_jax.eval.clients import (
     DEFAULT_CONCURRENCY,
     Abandoned,
@@ -106,7 +106,7 @@ class Verdicts:
     def load(cls, directory: str | pathlib.Path, identity: dict) -> "Verdicts":
         """The verdicts `identity`'s judge left in DIR/judge.jsonl, read without changing it."""
         path = pathlib.Path(directory) / JUDGE_FILE
-        records = runner.PredictionStore(path, repair=False).records if path.exists() else {}
+        records = store.PredictionStore(path, repair=False).records if path.exists() else {}
         return cls(identity, records)
 
     def identity(self) -> dict:
@@ -133,7 +133,7 @@ class Judge:
         client: Any,
         directory: str | pathlib.Path,
         concurrency: int = DEFAULT_CONCURRENCY,
-        max_consecutive_failures: int = runner.DEFAULT_MAX_CONSECUTIVE_FAILURES,
+        max_consecutive_failures: int = scheduling.DEFAULT_MAX_CONSECUTIVE_FAILURES,
     ):
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
@@ -142,7 +142,7 @@ class Judge:
         served = {k: v for k, v in client.identity().items() if k != "client"}
         self._identity = {**served, "prompt_version": PROMPT_VERSION}
         self.path = pathlib.Path(directory) / JUDGE_FILE
-        self.store = runner.PredictionStore(self.path)
+        self.store = store.PredictionStore(self.path)
         self.verdicts = Verdicts(self._identity, self.store.records)
 
     def identity(self) -> dict:
@@ -182,9 +182,9 @@ class Judge:
             except ClientError as e:
                 return None, e
 
-        workers = runner.Workers(self.concurrency, ask)
-        streak = runner.Streak(self.max_consecutive_failures)
-        bar = runner.Progress(len(questions), "judge", progress)
+        workers = scheduling.Workers(self.concurrency, ask)
+        streak = scheduling.Streak(self.max_consecutive_failures)
+        bar = scheduling.Progress(len(questions), "judge", progress)
         in_flight, stop = 0, False
         try:
             for question in questions:
@@ -218,7 +218,7 @@ class Judge:
         bar.close()
         self.store.close()
 
-    def _keep(self, done: tuple, streak: runner.Streak, bar: runner.Progress) -> bool:
+    def _keep(self, done: tuple, streak: scheduling.Streak, bar: scheduling.Progress) -> bool:
         """Appends one verdict (or failure); True when the failures in a row say stop."""
         question, reply, error, crash = done
         if crash is not None:

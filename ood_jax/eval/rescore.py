@@ -2,7 +2,7 @@
 own parse mode or others, sending nothing to any model.
 
 The replies are read by the run's task (tasks.scoring_for(DIR/run.json)) and the results made by
-runner.build_results, the code the run itself used: re-scored results under the run's mode equal
+run_results.build_results, the code the run itself used: re-scored results under the run's mode equal
 the run's own unless the parser changed since. The run's mode is run.json's "parse_mode" (what
 its results were last written with; a run directory from before the mode left the identity has
 it there too), else the task's default.
@@ -23,8 +23,9 @@ import pathlib
 from collections.abc import Sequence
 
 from ood_jax import files
-from ood_jax.eval import judge, runner, tasks
-from ood_jax.eval.runner import RunError
+from ood_jax.eval import accounting, judge, store, tasks
+from ood_jax.eval import results as run_results
+from ood_jax.eval.store import RunError
 from ood_jax.eval.tasks.base import JUDGE_MODE, Scoring, scored
 
 
@@ -45,10 +46,10 @@ def _run_records(directory: pathlib.Path, results: dict, results_path: pathlib.P
     n = results.get("num_items")
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise RunError(f"{results_path}: field 'num_items' must be a count, got {n!r}")
-    path = directory / runner.PREDICTIONS_FILE
+    path = directory / store.PREDICTIONS_FILE
     if not path.exists():
         raise RunError(f"{path}: not found")
-    records = list(runner.PredictionStore(path, repair=False).records.values())
+    records = list(store.PredictionStore(path, repair=False).records.values())
     if len(records) < n:
         raise RunError(
             f"{path} holds {len(records)} records, fewer than the {n} items {results_path} counts"
@@ -64,7 +65,7 @@ def _judged(directory: pathlib.Path, run: dict, scoring: Scoring, records: list)
     """`scoring` in the judge mode, reading the run's judge's kept verdicts."""
     if "judge" not in run:
         raise RunError(
-            f"{directory / runner.RUN_FILE}: no judge was used in this run, so parse mode judge "
+            f"{directory / store.RUN_FILE}: no judge was used in this run, so parse mode judge "
             "has no verdicts to read (eval-mllm --parse-mode judge asks one)"
         )
     verdicts = judge.Verdicts.load(directory, run["judge"])
@@ -93,15 +94,15 @@ def rescore(
     """Re-scores the run in `directory` under each of `parse_modes` (none: the run's mode) and
     writes the results; returns (mode, results.json path, results, markdown) per mode."""
     directory = pathlib.Path(directory)
-    run = runner.read_run_file(directory)
+    run = store.read_run_file(directory)
     if run is None:
-        raise RunError(f"{directory / runner.RUN_FILE}: not found; is {directory} a run directory?")
+        raise RunError(f"{directory / store.RUN_FILE}: not found; is {directory} a run directory?")
     try:
         scoring = tasks.scoring_for(run)
     except ValueError as e:
-        raise RunError(f"{directory / runner.RUN_FILE}: {e}") from None
+        raise RunError(f"{directory / store.RUN_FILE}: {e}") from None
     run_mode = run.get("parse_mode") or scoring.parse_mode
-    json_name, _ = runner.results_files(limit)
+    json_name, _ = store.results_files(limit)
     results_path = directory / json_name
     finished = _read_json(results_path)
     records = _run_records(directory, finished, results_path)
@@ -116,15 +117,15 @@ def rescore(
                 reading = scoring.reading(mode)
             except ValueError as e:
                 raise RunError(f"{directory}: {e}") from None
-        results, markdown = runner.build_results(
+        results, markdown = run_results.build_results(
             reading,
-            runner.run_identity(run),
+            store.run_identity(run),
             [scored(reading, r) for r in records],
             limit if "limit" in finished else None,
             warnings,
-            prices=runner.stored_prices(run, directory / runner.RUN_FILE),
+            prices=accounting.stored_prices(run, directory / store.RUN_FILE),
         )
-        json_name, md_name = runner.results_files(limit, None if mode == run_mode else mode)
+        json_name, md_name = store.results_files(limit, None if mode == run_mode else mode)
         files.write_atomic(target / json_name, json.dumps(results, indent=2) + "\n")
         files.write_atomic(target / md_name, markdown)
         written.append((mode, target / json_name, results, markdown))

@@ -9,7 +9,7 @@ Detector workdirs (`ood-jax train` / `evaluate`; ood_jax/detection/evaluation.py
   Pair: AP in-domain (iid) vs the mean AP over the held-out domains, COUNTS' Table 2. Runs
   share a scatter only when evaluated on the same dataset and the same held-out domains.
 
-eval-mllm outputs (`ood-jax eval-mllm`, ood_jax/eval/runner.py `build_results`): results.json
+eval-mllm outputs (`ood-jax eval-mllm`, ood_jax/eval/results.py `build_results`): results.json
 holds the run's identity ("benchmark", "client": openai | transformers for an MLLM, clip for
 the CLIP baseline, "model"), "complete", and the task's results (ood_jax/eval/tasks/):
   foci          "datasets" [config names]; "per_dataset" {config: {"accuracy", "accuracy_ci"}}
