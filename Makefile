@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench docs clean
 
 # Stamps record what the venv holds for this pyproject; editing pyproject reinstalls. The demo
 # needs the package alone; tests add the parity references (torch, timm, pycocotools, ...).
@@ -26,6 +26,11 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(BIN)/python bench/coco_eval.py
+
+# The documentation site (mkdocs.yml, docs/) into site/; --strict turns every warning (a broken
+# link or anchor, a docstring the API reference cannot render) into an error.
+docs: $(VENV)/.installed
+	$(BIN)/mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -19,7 +19,7 @@ measured, the 1,000 images are not run. Preprocessing and decoding are not inclu
     python bench/paper_scorers.py [--scorers clip,blip2,groupvit,lit] [--batch 8] [--steps 3]
         [--warmup 1] [--dtype float32|bfloat16] [--no-torch]
 
-One line per scorer, then a table for the README.
+One line per scorer, then the table of docs/guide/scorers-and-mining.md.
 """
 
 from __future__ import annotations

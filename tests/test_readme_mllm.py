@@ -1,5 +1,5 @@
-"""README's offline MLLM walk-through, line for line: build, mine, two tiny local VLMs, two
-eval-mllm runs, rescore and compare, each through the command it names."""
+"""The offline MLLM walk-through of docs/guide/mllm.md, line for line: build, mine, two tiny
+local VLMs, two eval-mllm runs, rescore and compare, each through the command it names."""
 
 from __future__ import annotations
 
@@ -10,22 +10,22 @@ import subprocess
 import sys
 
 from ood_jax import cli
-from ood_jax.eval import runner
+from ood_jax.eval import store
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+GUIDE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "guide" / "mllm.md"
 MARKER = "(`tests/test_readme_mllm.py` runs exactly these lines.)"
 
 
 def walkthrough() -> list[str]:
     """The command lines of the fenced block just above MARKER."""
-    text = README.read_text()
+    text = GUIDE.read_text()
     before = text[: text.index(MARKER)].rstrip()
     assert before.endswith("```"), "the walk-through block must end right above the marker"
     block = before[: -len("```")].rsplit("```", 1)[1]
     return [line for line in block.strip().splitlines() if line.strip()]
 
 
-def test_the_readme_walkthrough_runs_as_written(tmp_path, monkeypatch, capsys):
+def test_the_documented_walkthrough_runs_as_written(tmp_path, monkeypatch, capsys):
     lines = walkthrough()
     assert [shlex.split(line)[:2] for line in lines[-2:]] == [
         ["ood-jax", "rescore"],
@@ -41,7 +41,7 @@ def test_the_readme_walkthrough_runs_as_written(tmp_path, monkeypatch, capsys):
             cli.main(argv[1:])
     out = capsys.readouterr().out
     for run in ("runs/llava", "runs/qwen"):
-        results = json.loads((tmp_path / run / runner.RESULTS_JSON).read_text())
+        results = json.loads((tmp_path / run / store.RESULTS_JSON).read_text())
         assert results["complete"] is True and results["num_items"] == 20
         assert (tmp_path / run / "manifest.json").is_file()
     # rescore wrote the other mode beside the run's own results; compare paired the two runs.

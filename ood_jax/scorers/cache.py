@@ -52,7 +52,7 @@ class EmbeddingCache:
         `Scorer.identity`, plus anything else that changes them, such as text templates).
 
     Raises:
-      ValueError when the directory holds a cache of another identity or an unreadable manifest.
+      ValueError: the directory holds a cache of another identity, or an unreadable manifest.
     """
 
     def __init__(self, directory: str | Path, shard_size: int = 1024, *, identity: Mapping):

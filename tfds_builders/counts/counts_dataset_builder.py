@@ -34,8 +34,8 @@ outside the image are dropped, boxes past the edge clipped; both are counted (`b
 
 Assumed layout: the release's own files could not be read when this builder was written, and
 the paper (and its release page) does not pin down file names, so the layout above is assumed.
-If a release ships differently, rearrange it into this layout; the README's "COUNTS: the
-assumed source layout" gives the adapter to write (one annotation file with a split field per
+If a release ships differently, rearrange it into this layout; docs/guide/datasets.md ("COUNTS:
+the assumed source layout") gives the adapter to write (one annotation file with a split field per
 image, per-domain folders, or domains in a separate table).
 """
 
