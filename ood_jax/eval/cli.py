@@ -25,7 +25,7 @@ import sys
 
 from ood_jax import help_text
 from ood_jax.eval import accounting, clients, interleaving, judge, probe, rescore, runner
-from ood_jax.eval import scheduling, store, tasks
+from ood_jax.eval import scheduling, shards, store, tasks
 from ood_jax.eval.tasks import corrupted, foci, oodbench
 from ood_jax.metrics import robustness
 from ood_jax.stats import cli as stats_cli
@@ -82,6 +82,7 @@ def fix_for(kind: str) -> str:
 def add_parsers(subparsers) -> None:
     _add_eval_mllm(subparsers)
     _add_rescore(subparsers)
+    _add_merge(subparsers)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,6 +179,13 @@ def _add_eval_mllm(subparsers) -> None:
         "--limit",
         type=int,
         help="only the first N items; their results go to OUTPUT/results.limitN.{json,md}",
+    )
+    p.add_argument(
+        "--shard",
+        type=_shard,
+        metavar="I/N",
+        help="ask the I-th of N disjoint parts of the items (by item id; a question's rotations "
+        "stay together), e.g. one part per machine; `ood-jax merge` joins the N parts' OUTPUTs",
     )
     p.add_argument(
         "--circular",
@@ -539,6 +547,7 @@ def run_eval_mllm(args: argparse.Namespace) -> dict:
                 parse_mode=args.parse_mode,
                 prices=_prices(args),
                 limits=accounting.Limits(args.max_requests, args.max_cost),
+                shard=args.shard,
             )
             results = runner.run(benchmark, client, args.output, options, _make_judge(args))
     except (store.RunError, tasks.ItemsError, FileNotFoundError) as e:
@@ -748,6 +757,48 @@ def run_rescore(args: argparse.Namespace) -> list[dict]:
             print(("\n" if k else "") + f"# {path}{mode_note}\n")
             print(markdown.rstrip("\n"))
     return [results for _, _, results, _ in written]
+
+
+# ---------------------------------------------------------------------------------------------
+# merge
+# ---------------------------------------------------------------------------------------------
+
+
+def _shard(spec: str) -> shards.Shard:
+    try:
+        return shards.Shard.parse(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--shard {spec!r}: ")) from None
+
+
+def _add_merge(subparsers) -> None:
+    p = subparsers.add_parser(
+        "merge",
+        help="join the parts of an eval-mllm run split with --shard I/N into one run directory",
+        description=help_text.fill(
+            "Checks that the PART directories are every shard I/N of one run (the same benchmark, "
+            "model and options, the same items: each part's all_items.jsonl), that together they "
+            "answer every item once, and writes OUTPUT as one run over every item writes it: "
+            "predictions.jsonl in the benchmark's order, run.json, results.json and results.md, "
+            "judge.jsonl for the judge parse mode, and a manifest naming the parts."
+        ),
+        epilog=help_text.examples(
+            "ood-jax merge runs/foci_qwen.0 runs/foci_qwen.1 --output runs/foci_qwen",
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("parts", nargs="+", metavar="PART", help="eval-mllm --shard output directories")
+    p.add_argument("--output", required=True, help="the merged run directory")
+    p.set_defaults(run=run_merge)
+
+
+def run_merge(args: argparse.Namespace) -> dict:
+    try:
+        results, markdown = shards.merge(args.parts, args.output)
+    except (store.RunError, FileNotFoundError) as e:
+        raise _fail(str(e)) from None
+    print(markdown.rstrip("\n"))
+    return results
 
 
 # ---------------------------------------------------------------------------------------------

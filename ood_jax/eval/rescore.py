@@ -29,38 +29,6 @@ from ood_jax.eval.store import RunError
 from ood_jax.eval.tasks.base import JUDGE_MODE, Scoring, scored
 
 
-def _read_json(path: pathlib.Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise RunError(f"{path}: not found") from None
-    except json.JSONDecodeError as e:
-        raise RunError(f"{path}: malformed JSON ({e.msg})") from None
-    if not isinstance(value, dict):
-        raise RunError(f"{path}: not a JSON object")
-    return value
-
-
-def _run_records(directory: pathlib.Path, results: dict, results_path: pathlib.Path) -> list:
-    """The records a finished run's results cover: the first num_items of predictions.jsonl."""
-    n = results.get("num_items")
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise RunError(f"{results_path}: field 'num_items' must be a count, got {n!r}")
-    path = directory / store.PREDICTIONS_FILE
-    if not path.exists():
-        raise RunError(f"{path}: not found")
-    records = list(store.PredictionStore(path, repair=False).records.values())
-    if len(records) < n:
-        raise RunError(
-            f"{path} holds {len(records)} records, fewer than the {n} items {results_path} counts"
-        )
-    for record in records[:n]:
-        for field in ("reply", "error", "meta"):
-            if field not in record:
-                raise RunError(f"{path}: item {record['id']!r}: missing field {field!r}")
-    return records[:n]
-
-
 def _judged(directory: pathlib.Path, run: dict, scoring: Scoring, records: list) -> Scoring:
     """`scoring` in the judge mode, reading the run's judge's kept verdicts."""
     if "judge" not in run:
@@ -104,8 +72,8 @@ def rescore(
     run_mode = run.get("parse_mode") or scoring.parse_mode
     json_name, _ = store.results_files(limit)
     results_path = directory / json_name
-    finished = _read_json(results_path)
-    records = _run_records(directory, finished, results_path)
+    finished = store.read_results(results_path)
+    records = store.finished_records(directory, finished, results_path)
     warnings = finished.get("warnings", [])
     target = pathlib.Path(out) if out is not None else directory
     written = []

@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 from ood_jax import files, manifest, prompts
-from ood_jax.eval import parsing, results, run_manifest, store
+from ood_jax.eval import parsing, results, run_manifest, shards, store
 from ood_jax.eval.accounting import Limits, Prices, Spent, stored_prices
 from ood_jax.eval.clients import DEFAULT_CONCURRENCY, ClientError, Reply
 from ood_jax.eval.scheduling import (
@@ -44,6 +44,7 @@ class RunOptions:
         written with, else the benchmark's default).
       prices: what a million prompt and completion tokens cost (None: run.json's, if any).
       limits: this invocation's --max-requests and --max-cost.
+      shard: the part of the items this run asks (ood_jax.eval.shards), None for all.
     """
 
     concurrency: int = DEFAULT_CONCURRENCY
@@ -56,12 +57,18 @@ class RunOptions:
     parse_mode: str | None = None
     prices: Prices | None = None
     limits: Limits = Limits()
+    shard: shards.Shard | None = None
 
     def __post_init__(self):
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {self.concurrency}")
         if self.limit is not None and self.limit < 0:
             raise ValueError(f"limit must be non-negative, got {self.limit}")
+        if self.shard is not None and self.limit is not None:
+            raise ValueError(
+                "--limit and --shard: a part covers its share of every item (--limit runs "
+                "without --shard)"
+            )
         if self.max_consecutive_failures < 0:
             raise ValueError(
                 "max_consecutive_failures must be non-negative, got "
@@ -130,12 +137,10 @@ class Session:
     ):
         """`about`: the manifest's fields for this kind of run (`model`, `request`, and
         `packages` and `devices` for manifest.collect)."""
-        self.benchmark, self.identity, self.options, self.judge = (
-            benchmark,
-            identity,
-            options,
-            judge,
-        )
+        if options.shard is not None:
+            identity = {**identity, "shard": options.shard.to_json()}
+        self.benchmark, self.identity = benchmark, identity
+        self.options, self.judge = options, judge
         # Set by `pending` when the limit left items out: the results are then a subset's.
         self.subset = False
         self.directory = pathlib.Path(output)
@@ -161,7 +166,7 @@ class Session:
         self.spent = Spent()
         self.served_models: set[str] = set()
         self.manifest = self._start_manifest(about)
-        total = benchmark.count()
+        total = benchmark.count() if options.shard is None else None
         if total is not None and options.limit is not None:
             total = min(total, options.limit)
         self.progress = Progress(total, benchmark.name, options.progress)
@@ -212,6 +217,7 @@ class Session:
     def pending(self) -> Iterator[Item]:
         """The run's items that still need a reply, in order; answered ones only tick the bar."""
         seen = set()
+        shard, every_item = self.options.shard, []
         for k, item in enumerate(self.benchmark.items()):
             if self.options.limit is not None and k == self.options.limit:
                 # One item past the limit exists: this run covers a subset.
@@ -220,6 +226,10 @@ class Session:
             if item.id in seen:
                 raise RunError(f"{self.benchmark.name}: item id {item.id!r} occurs twice")
             seen.add(item.id)
+            if shard is not None:
+                every_item.append((item.id, item.digest))
+                if not shard.holds(item):
+                    continue
             self.order.append(item.id)
             stored = self.store.records.get(item.id)
             # The digest was checked up front; a changed item can only be new here.
@@ -229,6 +239,8 @@ class Session:
                 self.progress.update()
                 continue
             yield item
+        if shard is not None:  # every item seen: what the merge checks the parts against
+            shards.write_all_items(self.directory, every_item)
 
     def sent(self, requests: int = 1) -> None:
         self.spent.requests += requests

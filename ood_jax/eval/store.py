@@ -165,3 +165,37 @@ def check_digests(benchmark: Benchmark, store: PredictionStore, limit: int | Non
 # ---------------------------------------------------------------------------------------------
 # The manifest
 # ---------------------------------------------------------------------------------------------
+
+
+def read_results(path: pathlib.Path) -> dict:
+    """A results.json object; RunError naming the file when it is missing or malformed."""
+    try:
+        value = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise RunError(f"{path}: not found") from None
+    except json.JSONDecodeError as e:
+        raise RunError(f"{path}: malformed JSON ({e.msg})") from None
+    if not isinstance(value, dict):
+        raise RunError(f"{path}: not a JSON object")
+    return value
+
+
+def finished_records(directory: pathlib.Path, results: dict, results_path: pathlib.Path) -> list:
+    """The records a finished run's results cover: the first num_items of predictions.jsonl
+    (a run ends by rewriting the file with its own items first)."""
+    n = results.get("num_items")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise RunError(f"{results_path}: field 'num_items' must be a count, got {n!r}")
+    path = directory / PREDICTIONS_FILE
+    if not path.exists():
+        raise RunError(f"{path}: not found")
+    records = list(PredictionStore(path, repair=False).records.values())
+    if len(records) < n:
+        raise RunError(
+            f"{path} holds {len(records)} records, fewer than the {n} items {results_path} counts"
+        )
+    for record in records[:n]:
+        for field in ("reply", "error", "meta"):
+            if field not in record:
+                raise RunError(f"{path}: item {record['id']!r}: missing field {field!r}")
+    return records[:n]
