@@ -1,7 +1,10 @@
 """MLLM runs split over machines (ood_jax/eval/shards.py): `--shard I/N` parts of a circular FOCI
 run, asked by a scripted model, merged by `ood-jax merge` into the directory one run over every
 item writes (the same predictions.jsonl and results.json, byte for byte); a question's rotations
-stay in one part; merge refuses what is not every part of one finished run, naming why."""
+stay in one part; merge refuses what is not every part of one finished run, naming why. Through
+the command, against a loopback server, on test_eval_runner's tiny FOCI build: `eval-mllm
+--shard` parts and their merge, and a job of 2 processes (`ood-jax launch`), which splits the
+items by itself, each equal to one run."""
 
 from __future__ import annotations
 
@@ -9,8 +12,13 @@ import json
 import pathlib
 import shutil
 
+import subprocess
+
 import pytest
 from test_circular import Scripted, TextFoci, hashed
+from test_clients import ChatServer, completion, prompt_text
+from test_eval_runner import foci_data, foci_reply  # noqa: F401 (a fixture)
+from test_multiprocess import HANG_GUARD_S, REPO, environ, launch_command
 
 from ood_jax import cli
 from ood_jax.eval import runner, shards, store
@@ -115,3 +123,47 @@ def test_bad_shards_are_named(spec, message):
 def test_a_part_has_no_limit():
     with pytest.raises(ValueError, match="--limit and --shard"):
         runner.RunOptions(limit=5, shard=shards.Shard(0, 2))
+
+
+def test_the_command_splits_and_merges_as_one_run(foci_data, compile_cache, tmp_path):  # noqa: F811
+    def reply(body, attempt):
+        return 200, {}, completion(foci_reply(prompt_text(body)))
+
+    def eval_mllm(out: pathlib.Path, *extra: str) -> list[str]:
+        return ["eval-mllm", "foci", "--data-dir", str(foci_data), "--model", "m",
+                "--no-progress", "--no-model-check", "--endpoint", server.url,
+                "--output", str(out), *extra]  # fmt: skip
+
+    with ChatServer(reply) as server:
+        single = tmp_path / "single"
+        parsed = cli.build_parser().parse_args(eval_mllm(single))
+        parsed.run(parsed)
+        for k in range(2):
+            parsed = cli.build_parser().parse_args(
+                eval_mllm(tmp_path / f"part{k}", "--shard", f"{k}/2")
+            )
+            parsed.run(parsed)
+        cli.main(
+            [
+                "merge",
+                str(tmp_path / "part0"),
+                str(tmp_path / "part1"),
+                "--output",
+                str(tmp_path / "merged"),
+            ]
+        )
+        job = tmp_path / "job"
+        done = subprocess.run(
+            launch_command(eval_mllm(job)), env=environ(compile_cache), cwd=REPO,
+            capture_output=True, text=True, timeout=HANG_GUARD_S,
+        )  # fmt: skip
+        assert done.returncode in (0, 3), done.stdout[-3000:] + done.stderr[-3000:]
+    def replies(directory: pathlib.Path) -> list[dict]:  # all but the time each reply took
+        return [{**r, "latency_s": None} for r in records(directory)]
+
+    for merged in (tmp_path / "merged", job):
+        assert replies(merged) == replies(single)
+        for name in (store.RESULTS_JSON, store.RESULTS_MD):
+            assert (merged / name).read_text() == (single / name).read_text(), (merged, name)
+    assert sorted(p.name for p in (job / "parts").iterdir()) == ["0", "1"]
+    assert done.stdout.count("Replies:") == 1  # process 0 alone prints the results

@@ -23,7 +23,9 @@ import math
 import pathlib
 import sys
 
-from ood_jax import help_text
+import jax
+
+from ood_jax import help_text, multihost
 from ood_jax.eval import accounting, clients, interleaving, judge, probe, rescore, runner
 from ood_jax.eval import scheduling, shards, store, tasks
 from ood_jax.eval.tasks import corrupted, foci, oodbench
@@ -34,6 +36,7 @@ from ood_jax.stats import cli as stats_cli
 # The tasks whose items `--corrupted` asks over a corrupted dataset.
 _CORRUPTED = ("foci", "oodbench")
 EXIT_INCOMPLETE = 3
+PARTS_DIR = "parts"  # OUTPUT/parts/I: process I's part of a job of several processes
 EXIT_STOPPED = 4
 EXIT_CODES = (
     "exit status:\n"
@@ -530,10 +533,11 @@ def run_eval_mllm(args: argparse.Namespace) -> dict:
             else f"{args.benchmark} reads replies under --parse-mode "
             f"{', '.join(benchmark.parse_modes)}, not {args.parse_mode}"
         )
-    progress = not args.no_progress
+    shard, output = _process_part(args)
+    progress = not args.no_progress and multihost.is_primary()
     try:
         if args.clip:
-            results = _run_clip(args, benchmark, progress)
+            results = _run_clip(args, benchmark, progress, shard, output)
         else:
             client = _make_client(args, args.max_tokens or benchmark.default_max_tokens)
             options = runner.RunOptions(
@@ -547,9 +551,9 @@ def run_eval_mllm(args: argparse.Namespace) -> dict:
                 parse_mode=args.parse_mode,
                 prices=_prices(args),
                 limits=accounting.Limits(args.max_requests, args.max_cost),
-                shard=args.shard,
+                shard=shard,
             )
-            results = runner.run(benchmark, client, args.output, options, _make_judge(args))
+            results = runner.run(benchmark, client, output, options, _make_judge(args))
     except (store.RunError, tasks.ItemsError, FileNotFoundError) as e:
         raise _fail(str(e)) from None
     except scheduling.LimitReached as e:
@@ -561,6 +565,16 @@ def run_eval_mllm(args: argparse.Namespace) -> dict:
             file=sys.stderr,
         )
         raise SystemExit(EXIT_STOPPED) from None
+    if jax.process_count() > 1:
+        # Every part answered: process 0 joins them into OUTPUT, as `ood-jax merge` does.
+        multihost.barrier("eval-mllm: every part answered")
+        if not multihost.is_primary():
+            return results
+        parts = sorted((pathlib.Path(args.output) / PARTS_DIR).iterdir(), key=lambda p: p.name)
+        try:
+            results, _ = shards.merge(parts, args.output)
+        except store.RunError as e:
+            raise _fail(str(e)) from None
     output = pathlib.Path(args.output)
     json_name, md_name = store.results_files(results.get("limit"))
     print((output / md_name).read_text())
@@ -598,6 +612,21 @@ def run_eval_mllm(args: argparse.Namespace) -> dict:
             )
         raise SystemExit(EXIT_INCOMPLETE)
     return results
+
+
+def _process_part(args: argparse.Namespace) -> tuple[shards.Shard | None, str]:
+    """(the shard, the output directory) of this process: in a job of N processes (`ood-jax
+    launch`, one process per GPU for --local models) process I asks shard I/N into
+    OUTPUT/parts/I, and process 0 merges the parts into OUTPUT."""
+    count = jax.process_count()
+    if count == 1:
+        return args.shard, args.output
+    if args.shard is not None:
+        raise _fail(f"--shard in a job of {count} processes: each process asks its own part")
+    if args.limit is not None:
+        raise _fail(f"--limit in a job of {count} processes: the processes split every item")
+    shard = shards.Shard(jax.process_index(), count)
+    return shard, str(pathlib.Path(args.output) / PARTS_DIR / str(shard.index))
 
 
 def _make_benchmark(args: argparse.Namespace) -> tasks.Benchmark:
@@ -676,7 +705,13 @@ def _note_outcomes(results: dict) -> None:
         )
 
 
-def _run_clip(args: argparse.Namespace, benchmark: tasks.Benchmark, progress: bool) -> dict:
+def _run_clip(
+    args: argparse.Namespace,
+    benchmark: tasks.Benchmark,
+    progress: bool,
+    shard: shards.Shard | None,
+    output: str,
+) -> dict:
     from ood_jax.eval import clip_baseline
 
     try:
@@ -687,11 +722,11 @@ def _run_clip(args: argparse.Namespace, benchmark: tasks.Benchmark, progress: bo
     return clip_baseline.run_clip_baseline(
         benchmark,
         scorer,
-        args.output,
+        output,
         scorer_name=args.model or str(pathlib.Path(args.clip).resolve()),
         templates=tuple(args.templates or clip_baseline.DEFAULT_TEMPLATES),
         batch_size=args.batch_size,
-        options=runner.RunOptions(limit=args.limit, progress=progress),
+        options=runner.RunOptions(limit=args.limit, progress=progress, shard=shard),
     )
 
 
