@@ -29,6 +29,7 @@ The family's surface (`ood_jax.models.registry`): `Model` (`DETR`), `postprocess
 (`ood_jax.models.backbones.load_backbone`).
 """
 
+import functools
 from typing import Any, ClassVar
 
 import flax.linen as nn
@@ -342,4 +343,9 @@ def make_loss(config: ml_collections.ConfigDict, model: DETR) -> LossFn:
     (`set_loss.set_loss`, with Group DETR's query groups), weighted by `config.loss`."""
     from ood_jax.models import set_loss  # optax: imported for training only
 
-    return set_loss.make_loss_fn(model, set_loss.SetLossConfig(**set_loss.config_weights(config)))
+    loss = functools.partial(
+        set_loss.set_loss,
+        config=set_loss.SetLossConfig(**set_loss.config_weights(config)),
+        num_query_groups=model.num_query_groups,
+    )
+    return set_loss.make_loss_fn(model, loss)

@@ -34,8 +34,8 @@ with sharded inputs is already the global count; inside `shard_map`/`pmap` pass 
 It is clamped to at least 1. Heads of equal shape are stacked and vmapped so the matcher's loops
 are traced and compiled once per shape, not once per layer.
 
-Training. `make_loss_fn(model, config, denoise)` wraps the forward pass (with DINO's denoising
-queries when `denoise` configures them) and `focal_set_loss` into the pure
+Training. `make_loss_fn(model, config, denoise)` is `set_loss.make_loss_fn` with
+`focal_set_loss` (and DINO's denoising queries when `denoise` configures them): the pure
 `(variables, batch, rng, mutable) -> (loss, (metrics, model_state))` that
 `ood_jax.models.deformable_detr.make_loss` and `ood_jax.models.dino.make_loss` return; the
 outputs reach the loss in float32 whatever the compute dtype (`set_loss.float32_outputs`).
@@ -54,9 +54,9 @@ import optax
 from flax import linen as nn
 
 from ood_jax import boxes as box_lib
-from ood_jax.models import denoising
+from ood_jax.models import denoising, set_loss
 from ood_jax.models.registry import LossFn
-from ood_jax.models.set_loss import batch_targets, float32_outputs, hungarian_match
+from ood_jax.models.set_loss import hungarian_match
 
 # Where a query has no box to regress, L1/GIoU are computed against this well-formed box and
 # masked out, so no degenerate geometry reaches the gradient.
@@ -375,33 +375,22 @@ def make_loss_fn(
     (`denoising.make_cdn_queries`), and the loss supervises their outputs.
     """
 
-    def loss(variables, batch, rng, mutable: Sequence[str]):
-        denoise_rng, dropout_rng = jax.random.split(rng)
-        targets = batch_targets(batch)
-        queries, extra = None, {}
-        if denoise is not None:
-            queries = denoising.make_cdn_queries(
-                denoise_rng,
-                targets["labels"],
-                targets["boxes"],
-                targets["mask"],
-                num_classes=model.num_classes,
-                num_queries=model.num_queries,
-                num_dn_queries=denoise.num_queries,
-                label_noise_ratio=denoise.label_noise_ratio,
-                box_noise_scale=denoise.box_noise_scale,
-            )
-            extra = {"denoise": queries}
-        outputs, model_state = model.apply(
-            variables,
-            batch["image"],
-            batch["image_mask"],
-            train=True,
-            rngs={"dropout": dropout_rng},
-            mutable=list(mutable),
-            **extra,
+    # Passed without `denoise` too: dropout then draws on the same key with and without it.
+    def denoising_inputs(rng: jax.Array, targets: dict[str, jax.Array]) -> dict[str, Any]:
+        if denoise is None:
+            return {}
+        queries = denoising.make_cdn_queries(
+            rng,
+            targets["labels"],
+            targets["boxes"],
+            targets["mask"],
+            num_classes=model.num_classes,
+            num_queries=model.num_queries,
+            num_dn_queries=denoise.num_queries,
+            label_noise_ratio=denoise.label_noise_ratio,
+            box_noise_scale=denoise.box_noise_scale,
         )
-        total, metrics = focal_set_loss(float32_outputs(outputs), targets, config, denoise=queries)
-        return total, (metrics, model_state)
+        return {"denoise": queries}
 
-    return loss
+    loss = functools.partial(focal_set_loss, config=config)
+    return set_loss.make_loss_fn(model, loss, denoising_inputs)

@@ -34,16 +34,15 @@ mask sum already counts every box on every device and host; only inside `shard_m
 where arrays are per-device, pass the global count as `num_boxes`. The classification term is the
 weighted mean over all queries of the batch, as torch's `cross_entropy(weight=...)`.
 
-Training. `make_loss_fn(model, config)` wraps the forward pass and `set_loss` into the pure
-`(variables, batch, rng, mutable) -> (loss, (metrics, model_state))` a family's `make_loss`
-returns (`ood_jax.models.detr.make_loss`); `batch_targets`, `config_weights` and
-`float32_outputs` are what the families' training losses share. `hungarian_match` also serves the focal set loss
-(`ood_jax.models.focal_set_loss`).
+Training. `make_loss_fn(model, loss)` wraps the forward pass and a set loss (this one, or the
+focal set loss) into the pure `(variables, batch, rng, mutable) -> (loss, (metrics, model_state))`
+every family's `make_loss` returns; it and `config_weights` are what the families' training
+losses share. `hungarian_match` also serves the focal set loss (`ood_jax.models.focal_set_loss`).
 """
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -246,11 +245,24 @@ def config_weights(config: ml_collections.ConfigDict) -> dict[str, Any]:
     return config.get("loss", ml_collections.ConfigDict()).to_dict()
 
 
-def make_loss_fn(model: nn.Module, config: SetLossConfig) -> LossFn:
-    """`model`'s forward pass in training mode, then `set_loss` (Group DETR's query groups taken
-    from the model's `num_query_groups`)."""
+def make_loss_fn(
+    model: nn.Module,
+    loss: Callable[..., tuple[jax.Array, dict[str, jax.Array]]],
+    model_inputs: Callable[[jax.Array, dict[str, jax.Array]], dict[str, Any]] | None = None,
+) -> LossFn:
+    """`model`'s forward pass in training mode, then `loss(outputs, targets, **inputs)` on its
+    float32 outputs and the batch's targets.
 
-    def loss(variables, batch, rng, mutable: Sequence[str]):
+    `model_inputs(rng, targets)`, when given, makes keyword inputs that the model and the loss
+    both take (DINO's denoising queries), from a key split off `rng`; dropout gets the other one.
+    """
+
+    def loss_fn(variables, batch, rng, mutable: Sequence[str]):
+        targets = batch_targets(batch)
+        inputs = {}
+        if model_inputs is not None:
+            inputs_rng, rng = jax.random.split(rng)
+            inputs = model_inputs(inputs_rng, targets)
         # Trainable BatchNorm updates its statistics; frozen BatchNorm never writes them.
         outputs, model_state = model.apply(
             variables,
@@ -259,13 +271,9 @@ def make_loss_fn(model: nn.Module, config: SetLossConfig) -> LossFn:
             train=True,
             rngs={"dropout": rng},
             mutable=list(mutable),
+            **inputs,
         )
-        total, metrics = set_loss(
-            float32_outputs(outputs),
-            batch_targets(batch),
-            config,
-            num_query_groups=getattr(model, "num_query_groups", 1),
-        )
+        total, metrics = loss(float32_outputs(outputs), targets, **inputs)
         return total, (metrics, model_state)
 
-    return loss
+    return loss_fn

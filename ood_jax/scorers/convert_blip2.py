@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ood_jax.models import convert_torch, vit
-from ood_jax.scorers import blip2, convert
+from ood_jax.scorers import blip2, convert, hf_directory
 
 KIND = "blip2"
 MODEL_TYPE = "blip-2"
@@ -242,13 +242,7 @@ def blip2_params_from_hf(
 def blip2_from_hf(path: str | Path, dtype: Any = jnp.float32) -> tuple[str, Any, dict, dict]:
     """(kind, module, variables, config) of a transformers Blip2ForImageTextRetrieval
     directory."""
-    config = convert.read_config(path)
-    module = blip2_module(config, dtype)
-    try:
-        variables = blip2_params_from_hf(convert.read_weights(path), module)
-    except ValueError as e:
-        raise ValueError(f"{Path(path)}: {e}") from e
-    return KIND, module, variables, config
+    return hf_directory.load(KIND, path, dtype, blip2_module, blip2_params_from_hf)
 
 
 # --------------------------------------------------------------------------- LAVIS

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ood_jax.models import convert_torch
-from ood_jax.scorers import convert, groupvit
+from ood_jax.scorers import convert, groupvit, hf_directory
 
 KIND = "groupvit"
 MODEL_TYPE = "groupvit"
@@ -211,10 +211,4 @@ def groupvit_params_from_hf(
 
 def groupvit_from_hf(path: str | Path, dtype: Any = jnp.float32) -> tuple[str, Any, dict, dict]:
     """(kind, module, variables, config) of a transformers GroupViTModel directory."""
-    config = convert.read_config(path)
-    module = groupvit_module(config, dtype)
-    try:
-        variables = groupvit_params_from_hf(convert.read_weights(path), module)
-    except ValueError as e:
-        raise ValueError(f"{Path(path)}: {e}") from e
-    return KIND, module, variables, config
+    return hf_directory.load(KIND, path, dtype, groupvit_module, groupvit_params_from_hf)

@@ -205,15 +205,7 @@ class Stage(nn.Module):
         b, n, d = x.shape
         if self.num_group_tokens:
             x = jnp.concatenate([x, self.group_tokens(b, d, prev_groups)], axis=1)
-        for i in range(self.depth):
-            x = vit.EncoderBlock(
-                self.num_heads,
-                self.mlp_dim,
-                dtype=self.dtype,
-                ln_eps=self.ln_eps,
-                activation=self.activation,
-                name=f"block_{i}",
-            )(x, train=False)
+        x = towers.encoder_blocks(self, x)
         if not self.num_group_tokens:
             return x, None
         x, groups = x[:, :n], x[:, n:]

@@ -74,6 +74,24 @@ def pooled_positions(input_ids: jax.Array, pool: str, eos_token_id: int | None) 
     raise ValueError(f"unknown text pool {pool!r}; known: {TEXT_POOLS}")
 
 
+def encoder_blocks(module: nn.Module, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """`module.depth` pre-norm `vit.EncoderBlock`s at inference, "block_{i}" in `module`'s scope.
+
+    Called from the compact `__call__` of `module` (a `TextTower` or a `groupvit.Stage`), whose
+    num_heads, mlp_dim, ln_eps, activation and dtype fields it reads.
+    """
+    for i in range(module.depth):
+        x = vit.EncoderBlock(
+            module.num_heads,
+            module.mlp_dim,
+            dtype=module.dtype,
+            ln_eps=module.ln_eps,
+            activation=module.activation,
+            name=f"block_{i}",
+        )(x, train=False, mask=mask)
+    return x
+
+
 class TextTower(nn.Module):
     """[B, L] int token ids (+ optional [B, L] attention mask) -> [B, proj_dim or width].
 
@@ -121,15 +139,7 @@ class TextTower(nn.Module):
 
         valid = jnp.ones(input_ids.shape, bool) if attention_mask is None else attention_mask != 0
         mask = text_attention_mask(valid, causal=self.mask == "causal")
-        for i in range(self.depth):
-            x = vit.EncoderBlock(
-                self.num_heads,
-                self.mlp_dim,
-                dtype=self.dtype,
-                ln_eps=self.ln_eps,
-                activation=self.activation,
-                name=f"block_{i}",
-            )(x, train=False, mask=mask)
+        x = encoder_blocks(self, x, mask)
         x = nn.LayerNorm(epsilon=self.ln_eps, dtype=self.dtype, name="norm")(x)
 
         index = pooled_positions(input_ids, self.pool, self.eos_token_id)

@@ -204,6 +204,29 @@ def _kernel_rows(
     return jnp.where(rows[:, None] == jnp.arange(z.shape[0])[None, :], 0.0, kernel)
 
 
+def _map_row_blocks(
+    z: jax.Array,
+    bandwidth: jax.Array,
+    block_size: int,
+    block_fn: Callable[..., jax.Array],
+    columns: tuple[jax.Array, ...] = (),
+) -> jax.Array:
+    """block_fn(kernel_rows, *column_rows) for each row block of z, stacked [num_blocks, ...].
+
+    kernel_rows is the block's [block_size, N] kernel (see _kernel_rows) and column_rows the
+    block's rows of each array in `columns`; one block at a time keeps memory O(block_size * N).
+    """
+    sq = jnp.sum(z * z, axis=-1)
+    gamma = 1.0 / (2.0 * bandwidth**2)
+
+    def one_block(i: jax.Array) -> jax.Array:
+        start = i * block_size
+        rows = [jax.lax.dynamic_slice_in_dim(c, start, block_size) for c in columns]
+        return block_fn(_kernel_rows(z, sq, start, block_size, gamma), *rows)
+
+    return jax.lax.map(one_block, jnp.arange(z.shape[0] // block_size))
+
+
 @functools.partial(jax.jit, static_argnames=("m", "n", "block_size"))
 def _mmd2_columns(
     z: jax.Array, labels: jax.Array, bandwidth: jax.Array, *, m: int, n: int, block_size: int
@@ -214,17 +237,9 @@ def _mmd2_columns(
     its own term, e.g. for i in X: sum_{j in X, j != i} k_ij / (m (m-1)) - sum_{j in Y} k_ij / (m n),
     so the large X-X / Y-Y / X-Y sums cancel per row rather than after summing N^2 terms.
     """
-    n_pad = z.shape[0]
-    num_blocks = n_pad // block_size
-    valid = (jnp.arange(n_pad) < m + n).astype(z.dtype)
-    sq = jnp.sum(z * z, axis=-1)
-    gamma = 1.0 / (2.0 * bandwidth**2)
+    valid = (jnp.arange(z.shape[0]) < m + n).astype(z.dtype)
 
-    def block_terms(i: jax.Array) -> jax.Array:
-        start = i * block_size
-        lb = jax.lax.dynamic_slice_in_dim(labels, start, block_size)
-        vb = jax.lax.dynamic_slice_in_dim(valid, start, block_size)
-        kb = _kernel_rows(z, sq, start, block_size, gamma)
+    def block_terms(kb: jax.Array, lb: jax.Array, vb: jax.Array) -> jax.Array:
         rx = kb @ labels  # sum over j in X of k_ij, per labelling
         ry = (kb @ valid)[:, None] - rx  # sum over j in Y
         in_x, in_y = lb, vb[:, None] - lb
@@ -233,7 +248,7 @@ def _mmd2_columns(
         )
         return jnp.sum(terms, axis=0)
 
-    return jnp.sum(jax.lax.map(block_terms, jnp.arange(num_blocks)), axis=0)
+    return jnp.sum(_map_row_blocks(z, bandwidth, block_size, block_terms, (labels, valid)), axis=0)
 
 
 def _pooled(x: object, y: object, block_size: int) -> tuple[jax.Array, int, int]:
@@ -259,6 +274,16 @@ def _resolve_bandwidth(z: jax.Array, num_points: int, bandwidth: float | None) -
     if not bandwidth > 0:
         raise ValueError(f"bandwidth must be positive, got {bandwidth!r}")
     return jnp.asarray(bandwidth, z.dtype)
+
+
+def _check_draws(name: str, count: object, chunk_name: str, chunk: int) -> int:
+    """`count` random draws (permutations, resamples) scored `chunk` at a time; both positive."""
+    count = _check_count(name, count)
+    if count <= 0:
+        raise ValueError(f"{name} must be positive, got {count}")
+    if chunk <= 0:
+        raise ValueError(f"{chunk_name} must be positive, got {chunk}")
+    return count
 
 
 def median_heuristic_bandwidth(x: object, y: object) -> float:
@@ -298,11 +323,9 @@ def mmd_permutation_test(
     bandwidth is computed once on the pooled set, which every permutation shares. Each pass over
     the kernel matrix scores `permutation_chunk` relabellings at once.
     """
-    num_permutations = _check_count("num_permutations", num_permutations)
-    if num_permutations <= 0:
-        raise ValueError(f"num_permutations must be positive, got {num_permutations}")
-    if permutation_chunk <= 0:
-        raise ValueError(f"permutation_chunk must be positive, got {permutation_chunk}")
+    num_permutations = _check_draws(
+        "num_permutations", num_permutations, "permutation_chunk", permutation_chunk
+    )
     z, m, n = _pooled(x, y, block_size)
     s = _resolve_bandwidth(z, m + n, bandwidth)
     n_pad = z.shape[0]
@@ -341,22 +364,15 @@ def _weighted_mmd2_columns(
     drawn twice never meets itself, so the k(x, x) = 1 terms that would inflate the within-sample
     means (by O(1/m), the size of the statistic itself near zero) are left out.
     """
-    n_pad = z.shape[0]
-    sq = jnp.sum(z * z, axis=-1)
-    gamma = 1.0 / (2.0 * bandwidth**2)
 
-    def block_terms(i: jax.Array) -> jax.Array:
-        start = i * block_size
-        wxb = jax.lax.dynamic_slice_in_dim(wx, start, block_size)
-        wyb = jax.lax.dynamic_slice_in_dim(wy, start, block_size)
-        kb = _kernel_rows(z, sq, start, block_size, gamma)
+    def block_terms(kb: jax.Array, wxb: jax.Array, wyb: jax.Array) -> jax.Array:
         # Per row: weighted kernel sums towards X and Y; stacked so the three sums come out at once.
         kx, ky = kb @ wx, kb @ wy
         return jnp.stack(
             [jnp.sum(wxb * kx, axis=0), jnp.sum(wyb * ky, axis=0), jnp.sum(wxb * ky, axis=0)]
         )
 
-    xx, yy, xy = jnp.sum(jax.lax.map(block_terms, jnp.arange(n_pad // block_size)), axis=0)
+    xx, yy, xy = jnp.sum(_map_row_blocks(z, bandwidth, block_size, block_terms, (wx, wy)), axis=0)
     sx, sy = jnp.sum(wx, axis=0), jnp.sum(wy, axis=0)
     dxx = sx**2 - jnp.sum(wx**2, axis=0)
     dyy = sy**2 - jnp.sum(wy**2, axis=0)
@@ -394,11 +410,7 @@ def mmd2_bootstrap(
     with pairs of a point with itself left out), on one kernel bandwidth: `bandwidth`, or the
     median heuristic on the original pooled points. `bootstrap_chunk` resamples share a pass.
     """
-    num_bootstrap = _check_count("num_bootstrap", num_bootstrap)
-    if num_bootstrap <= 0:
-        raise ValueError(f"num_bootstrap must be positive, got {num_bootstrap}")
-    if bootstrap_chunk <= 0:
-        raise ValueError(f"bootstrap_chunk must be positive, got {bootstrap_chunk}")
+    num_bootstrap = _check_draws("num_bootstrap", num_bootstrap, "bootstrap_chunk", bootstrap_chunk)
     z, m, n = _pooled(x, y, block_size)
     s = _resolve_bandwidth(z, m + n, bandwidth)
     wx, wy = bootstrap_weights(m, n, num_bootstrap, seed)
@@ -428,20 +440,12 @@ def _kernel_row_sums(
     z: jax.Array, in_x: jax.Array, valid: jax.Array, bandwidth: jax.Array, *, block_size: int
 ) -> jax.Array:
     """[N_pad, 2]: per point, the kernel sums towards X (j != i) and towards Y."""
-    n_pad = z.shape[0]
-    sq = jnp.sum(z * z, axis=-1)
-    gamma = 1.0 / (2.0 * bandwidth**2)
 
-    def block_sums(i: jax.Array) -> jax.Array:
-        start = i * block_size
-        zb = jax.lax.dynamic_slice_in_dim(z, start, block_size)
-        d2 = jnp.maximum(sq[start + jnp.arange(block_size), None] + sq[None, :] - 2 * zb @ z.T, 0)
-        rows = start + jnp.arange(block_size)
-        kb = jnp.where(rows[:, None] == jnp.arange(n_pad)[None, :], 0.0, jnp.exp(-gamma * d2))
+    def block_sums(kb: jax.Array) -> jax.Array:
         to_x = kb @ in_x
         return jnp.stack([to_x, kb @ valid - to_x], axis=-1)
 
-    return jax.lax.map(block_sums, jnp.arange(n_pad // block_size)).reshape(n_pad, 2)
+    return _map_row_blocks(z, bandwidth, block_size, block_sums).reshape(z.shape[0], 2)
 
 
 def mmd2_jackknife(
