@@ -16,11 +16,29 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ood_jax.eval import clients
+from ood_jax.eval import clients, store
 from ood_jax.eval.clients import ClientError, ImageInput, OpenAIChatClient, Request
 
 KEY_ENV = "OOD_JAX_TEST_API_KEY"
 KEY = "sk-test-0123456789-secret"
+# How long a test waits on an event that should come at once: it fails a wedged test only.
+HANG_S = 60
+
+
+class Clock:
+    """A clock for OpenAIChatClient(clock=...) that moves only when a test moves it, so that a
+    deadline passes when the test says, however slow the machine is."""
+
+    def __init__(self):
+        self.now = 0.0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self.now += seconds
 
 
 def completion(text: str) -> dict:
@@ -255,20 +273,24 @@ def test_connection_refused_is_retried_then_fails():
 
 
 def test_timeout_is_retried():
+    clock = Clock()
+
     def respond(body, attempt):
         if attempt == 1:
-            server.closing.wait(3)
+            # The server takes longer than the deadline, and answers only once it shuts down.
+            clock.advance(60)
+            server.closing.wait(HANG_S)
         return 200, {}, completion("late but fine")
 
     with ChatServer(respond) as server:
-        started = time.monotonic()
-        reply = _client(server.url, [], timeout_s=0.2).generate(Request("slow"))
-        assert time.monotonic() - started < 1.5
-    assert reply.text == "late but fine" and reply.attempts == 2
+        reply = _client(server.url, [], timeout_s=30, clock=clock).generate(Request("slow"))
+    # The second attempt's reply: the first was given up on, not waited for (it answers only
+    # after `generate` returned); its latency is by the clock, which stood still meanwhile.
+    assert reply.text == "late but fine" and reply.attempts == 2 and reply.latency_s == 0
     assert server.hits == 2
 
     def never(body, attempt):
-        server.closing.wait(3)
+        server.closing.wait(HANG_S)
         return 200, {}, completion("too late")
 
     with ChatServer(never) as server:
@@ -310,6 +332,52 @@ def test_no_key_sends_no_authorization(monkeypatch):
         assert not client.has_api_key
         client.generate(Request("x"))
     assert "Authorization" not in server.requests[0][1]
+
+
+def test_the_key_goes_over_plain_http_to_loopback(api_key):
+    with ChatServer(lambda body, attempt: (200, {}, completion("ok"))) as server:
+        for host in ("127.0.0.1", "localhost"):
+            _client(server.url.replace("127.0.0.1", host), []).generate(Request("x"))
+    assert [h["Authorization"] for _, h, _ in server.requests] == [f"Bearer {KEY}"] * 2
+    # Any loopback address will do; telling needs no connection.
+    for host in ("127.8.9.10", "LocalHost", "[::1]"):
+        assert _client(f"http://{host}:8000/v1", []).has_api_key
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    [
+        "http://10.1.2.3:8000/v1",
+        "http://api.example.com/v1",
+        "http://127.0.0.1.example.com/v1",
+        "http://0.0.0.0:8000/v1",
+        "http://[::ffff:10.0.0.1]:8000/v1",
+    ],
+)
+def test_the_key_is_not_sent_over_plain_http_elsewhere(api_key, endpoint):
+    # Refused at construction: nothing is sent, no connection is needed.
+    with pytest.raises(ValueError) as info:
+        _client(endpoint, [])
+    message = str(info.value)
+    assert message.startswith(f"endpoint {endpoint}: the API key in ${KEY_ENV} ")
+    assert "allow_plain_http_key" in message and "\n" not in message and KEY not in message
+    # Nothing to protect without a key; https protects it.
+    _client(endpoint.replace("http://", "https://"), [])
+
+
+def test_plain_http_to_another_host_sends_the_key_when_allowed(api_key, monkeypatch):
+    """0.0.0.0 is no loopback address (not 127.0.0.0/8, ::1 or localhost), yet Linux delivers a
+    connection to it to this machine: a host the rule refuses that this test can reach."""
+    with ChatServer(lambda body, attempt: (200, {}, completion("ok"))) as server:
+        elsewhere = server.url.replace("127.0.0.1", "0.0.0.0")
+        with pytest.raises(ValueError, match="allow_plain_http_key"):
+            _client(elsewhere, [])
+        client = _client(elsewhere, [], allow_plain_http_key=True)
+        assert client.generate(Request("x")).text == "ok"
+        monkeypatch.delenv(KEY_ENV)
+        _client(elsewhere, []).generate(Request("x"))
+    assert server.requests[0][1]["Authorization"] == f"Bearer {KEY}"
+    assert "Authorization" not in server.requests[1][1]
 
 
 def test_proxies_are_ignored_and_redirects_refused(api_key, monkeypatch):
@@ -481,7 +549,6 @@ def test_local_client_through_eval_mllm(tiny_llava, tmp_path, capsys):
 
     from ood_jax.eval import cli as eval_cli
     from ood_jax import prompts
-    from ood_jax.eval import runner
 
     options = ["dog", "cat", "yes", "no"]
     lines = []
@@ -503,7 +570,7 @@ def test_local_client_through_eval_mllm(tiny_llava, tmp_path, capsys):
     assert results["client"] == "transformers" and results["max_new_tokens"] == 4
     assert results["grounding"][0]["num_items"] == 3
     client = clients.TransformersClient(str(tiny_llava), max_new_tokens=4)
-    records = [json.loads(x) for x in (tmp_path / "run" / runner.PREDICTIONS_FILE).open()]
+    records = [json.loads(x) for x in (tmp_path / "run" / store.PREDICTIONS_FILE).open()]
     for k, record in enumerate(records):
         image = ImageInput.from_bytes((tmp_path / f"{k}.png").read_bytes())
         assert (

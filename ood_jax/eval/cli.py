@@ -27,7 +27,7 @@ import jax
 
 from ood_jax import help_text, multihost
 from ood_jax.eval import accounting, clients, interleaving, judge, probe, rescore, runner
-from ood_jax.eval import scheduling, shards, store, tasks
+from ood_jax.eval import replicas, scheduling, shards, store, tasks
 from ood_jax.eval.tasks import corrupted, foci, oodbench
 from ood_jax.metrics import robustness
 from ood_jax.stats import cli as stats_cli
@@ -155,7 +155,11 @@ def _add_eval_mllm(subparsers) -> None:
     )
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument(
-        "--endpoint", help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1"
+        "--endpoint",
+        action="append",
+        help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1; repeated for replicas "
+        "of one model: requests are spread over them, each with its own --concurrency, and a "
+        "replica that keeps failing leaves the rotation (said on stderr)",
     )
     model.add_argument("--local", metavar="PATH", help="a local transformers LVLM directory")
     model.add_argument(
@@ -218,6 +222,12 @@ def _add_eval_mllm(subparsers) -> None:
         "--api-key-env",
         default=clients.DEFAULT_API_KEY_ENV,
         help="environment variable holding the API key (default OPENAI_API_KEY); unset: no key",
+    )
+    p.add_argument(
+        "--allow-plain-http-key",
+        action="store_true",
+        help="send the API key over plain http:// to a host other than loopback (refused "
+        "otherwise: anyone on the path could read it)",
     )
     http = p.add_argument_group("requests (--endpoint)")
     http.add_argument(
@@ -462,16 +472,22 @@ def _make_client(args: argparse.Namespace, max_tokens: int):
         return clients.TransformersClient(
             args.local, max_new_tokens=max_tokens, task=args.benchmark
         )
-    return _http_client(
-        args,
-        args.endpoint,
-        args.model,
-        args.api_key_env,
-        max_tokens=max_tokens,
-        token_param=args.token_param,
-        temperature=args.temperature,
-        extra_body=args.extra_body,
-    )
+    endpoints = [
+        _http_client(
+            args,
+            endpoint,
+            args.model,
+            args.api_key_env,
+            max_tokens=max_tokens,
+            token_param=args.token_param,
+            temperature=args.temperature,
+            extra_body=args.extra_body,
+        )
+        for endpoint in dict.fromkeys(args.endpoint)
+    ]
+    if len(endpoints) == 1:
+        return endpoints[0]
+    return replicas.Replicas(endpoints, args.concurrency)
 
 
 def _http_client(
@@ -487,10 +503,11 @@ def _http_client(
             max_attempts=args.max_attempts,
             backoff_base_s=args.backoff,
             max_retry_after_s=args.max_retry_after,
+            allow_plain_http_key=args.allow_plain_http_key,
             **options,
         )
     except ValueError as e:
-        raise _fail(str(e)) from None
+        raise _fail(str(e).replace("allow_plain_http_key=True", "--allow-plain-http-key")) from None
     if not client.has_api_key:
         print(f"note: ${api_key_env} is not set; sending no API key", file=sys.stderr)
     if not args.no_model_check:
@@ -540,8 +557,9 @@ def run_eval_mllm(args: argparse.Namespace) -> dict:
             results = _run_clip(args, benchmark, progress, shard, output)
         else:
             client = _make_client(args, args.max_tokens or benchmark.default_max_tokens)
+            # Replicas each take --concurrency requests at a time.
             options = runner.RunOptions(
-                concurrency=args.concurrency,
+                concurrency=args.concurrency * len(getattr(client, "endpoints", [None])),
                 limit=args.limit,
                 progress=progress,
                 retry_budget=args.retry_budget,
@@ -667,7 +685,7 @@ def _interleaving_warnings(args: argparse.Namespace, benchmark: tasks.Benchmark)
     found = None
     if args.check_interleaving:
         found = probe.probe_endpoint(
-            args.endpoint, args.model, api_key_env=args.api_key_env, timeout_s=args.timeout
+            args.endpoint[0], args.model, api_key_env=args.api_key_env, timeout_s=args.timeout
         )
         print(f"{interleaving.PROBE_FLAG}: {found.detail}", file=sys.stderr)
     if benchmark.max_images_per_item() < 2:

@@ -3,11 +3,11 @@ model. Both take a `Request` (a prompt with "<image>" placeholders and its image
 the model said: the HTTP client a `Reply` (text, finish reason, refusal, reasoning, token usage,
 latency, attempts, the server's model id), a client that knows only the text a plain string.
 
-The HTTP client uses only the standard library. It contacts nothing but the endpoint it is given:
-it speaks http.client directly, so proxy settings in the environment are never read, and a
-redirect is an error. The API key comes from an environment variable; it is sent as a Bearer
-header and kept out of every message this module produces, so it cannot reach a log or a
-predictions file.
+The HTTP client is built on httpx (as OpenAI's own SDK is) and contacts nothing but the endpoint
+it is given: proxy settings in the environment are never read, and a redirect is an error. The
+API key comes from an environment variable; it is sent as a Bearer header, over plain http://
+only to a loopback host unless the caller allows more (`allow_plain_http_key`), and kept out of
+every message this module produces, so it cannot reach a log or a predictions file.
 
 Under load (one `RunControl` shared by a run's requests):
   * concurrency adapts (AIMD): an overload answer (429, 408, 5xx, a timeout) halves the number
@@ -22,32 +22,34 @@ Under load (one `RunControl` shared by a run's requests):
     message saying so, instead of waiting it out silently;
   * a reply that is not a chat completion (malformed JSON, empty `choices`) is retried;
   * `RunControl.abandon()` (Ctrl-C, a run stopped early) ends every wait within POLL_S: slots,
-    backoff, and requests waiting on the server.
+    backoff, and requests waiting on the server, whose connections are closed.
 `OpenAIChatClient.check_model` is the preflight: GET {endpoint}/models must list the model.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import concurrent.futures
 import dataclasses
 import difflib
 import email.utils
+import functools
 import hashlib
-import http
-import http.client
 import io
+import ipaddress
 import json
 import math
 import os
 import random
-import selectors
-import socket
 import ssl
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, ClassVar
+
+import httpx
 
 from ood_jax.prompts import IMAGE_PLACEHOLDER
 
@@ -250,6 +252,11 @@ class AdaptiveLimit:
         """How many requests may be out now: `limit`, or 1 while a timeout is unresolved."""
         return 1 if self._timed_out else self.limit
 
+    @property
+    def room(self) -> int:
+        """How many more requests may go out now."""
+        return self.allowed - self._out
+
     def acquire(self, stop: threading.Event) -> tuple[int, int]:
         """Waits for a free slot; returns the ticket `release` takes (round, request number)."""
         with self._changed:
@@ -338,6 +345,17 @@ class RunControl:
         """Every request of the run gives up at its next wait (within POLL_S)."""
         self.stop.set()
 
+    def sharing(self, concurrency: int) -> "RunControl":
+        """A control with a concurrency limit of its own (one replica's) that spends this one's
+        retry budget and stops with it."""
+        shared = RunControl(concurrency)
+        shared.budget, shared.stop = self.budget, self.stop
+        return shared
+
+    def room(self) -> float:
+        """How many more requests may go out now (unbounded without a limit)."""
+        return self.limit.room if self.limit is not None else math.inf
+
     def acquire(self) -> tuple[int, int]:
         if self.stop.is_set():
             raise Abandoned()
@@ -355,6 +373,11 @@ class RunControl:
 # ---------------------------------------------------------------------------------------------
 # The OpenAI-compatible HTTP client
 # ---------------------------------------------------------------------------------------------
+
+# Idle pooled connections are dropped sooner than servers close them (uvicorn, under vLLM and
+# transformers serve, after 5 s), so a request is not sent down a connection the server is
+# closing at that moment: that fails as a dropped connection and costs a retry.
+KEEPALIVE_S = 2.0
 
 
 class _Failure(Exception):
@@ -380,20 +403,89 @@ class _Failure(Exception):
         return "overload" if self.overload else "other"
 
 
-def _await_answer(sock: socket.socket, deadline: float, stop: threading.Event) -> None:
-    """Returns once the server starts to answer on `sock`. Most of a request's time is spent
-    here, while the server queues and generates; looking at `stop` every POLL_S is what lets
-    Ctrl-C abandon a request without waiting for the server."""
-    with selectors.DefaultSelector() as selector:
-        selector.register(sock, selectors.EVENT_READ)
-        while True:
-            if stop.is_set():
-                raise Abandoned()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("deadline passed")
-            if selector.select(min(left, POLL_S)):
-                return
+class _EventLoop:
+    """One asyncio loop, on a daemon thread, that carries every client's requests.
+
+    The thread that asks waits for its request in short steps, so that at its deadline or once
+    the run stops it cancels the request, which closes the connection at once, instead of
+    sitting in a socket read until the server answers.
+    """
+
+    def __init__(self):
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, coroutine: Coroutine) -> concurrent.futures.Future:
+        with self._lock:
+            if self._loop is None:
+                # A daemon: requests still out when the program ends do not hold it up.
+                loop = self._loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="ood-jax-http", daemon=True).start()
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
+
+_EVENT_LOOP = _EventLoop()
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """The system's trust store, loaded once (~40 ms) and shared by every client."""
+    return ssl.create_default_context()
+
+
+def _http_client(api_key: str | None) -> httpx.AsyncClient:
+    """An httpx client that goes where its requests say and nowhere else."""
+    headers = {"Accept": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    return httpx.AsyncClient(
+        headers=headers,
+        # A proxy named in the environment would receive every request, and the key.
+        trust_env=False,
+        # A redirect would carry the key elsewhere: a 3xx answer is an error instead.
+        follow_redirects=False,
+        verify=_tls_context(),
+        # The deadline is the caller's own, from sending to the whole reply (`_exchange`).
+        timeout=None,
+        limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S),
+    )
+
+
+def _endpoint_parts(endpoint: str) -> urllib.parse.SplitResult:
+    parts = urllib.parse.urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"endpoint must be an http(s) URL, got {endpoint!r}")
+    try:
+        _ = parts.port  # parsed on access
+    except ValueError:
+        raise ValueError(f"endpoint {endpoint!r}: bad port") from None
+    return parts
+
+
+def _is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost: a host whose traffic never leaves this machine."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _is_tls(error: BaseException | None) -> bool:
+    """Whether an ssl.SSLError is behind `error` (httpx's wraps httpcore's, which wraps it)."""
+    while error is not None and not isinstance(error, ssl.SSLError):
+        error = error.__cause__ or error.__context__
+    return error is not None
+
+
+def _connection_failure(url: str, error: httpx.RequestError) -> _Failure:
+    """A request the server never answered: TLS failed (not retried), or the connection did
+    (refused, reset, dropped; retried)."""
+    detail = str(error) or type(error).__name__
+    if _is_tls(error):
+        return _Failure(f"TLS with {url} failed: {detail}", "TLS", retryable=False)
+    if isinstance(error, httpx.ConnectError):
+        return _Failure(f"cannot reach {url}: {detail}", "connection", retryable=True)
+    return _Failure(f"connection to {url} failed: {detail}", "connection", retryable=True)
 
 
 def _text_of(content: Any) -> str | None:
@@ -465,6 +557,9 @@ class OpenAIChatClient:
     waiting an exponential backoff with jitter, or the server's Retry-After when that is longer
     (and at most `max_retry_after_s`); any other answer ends the item at once. Thread-safe: the
     runner calls `generate` from several threads with one `RunControl`.
+
+    The API key goes over plain http:// only to a loopback host, unless `allow_plain_http_key`:
+    anywhere else anyone on the path could read it.
     """
 
     # The runner hands `generate` the run's RunControl.
@@ -486,15 +581,40 @@ class OpenAIChatClient:
     # run's stop flag, so that Ctrl-C ends a backoff at once.
     sleep: Callable[[float], None] | None = None
     seed: int | None = None
+    allow_plain_http_key: bool = False
+    # What deadlines and latencies are measured with; injected in tests, so that a deadline
+    # passes when the test says, not when a loaded machine happens to be slow.
+    clock: Callable[[], float] = time.monotonic
 
     def __post_init__(self):
-        parts = urllib.parse.urlsplit(self.endpoint)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"endpoint must be an http(s) URL, got {self.endpoint!r}")
-        try:
-            self._port = parts.port
-        except ValueError:
-            raise ValueError(f"endpoint {self.endpoint!r}: bad port") from None
+        parts = _endpoint_parts(self.endpoint)
+        self._check_options()
+        self.extra_body = check_extra_body(self.extra_body if self.extra_body is not None else {})
+        # What requests go to and messages name: no user, password or query (where keys hide).
+        host = parts.netloc.rpartition("@")[2]
+        self._base = urllib.parse.urlunsplit((parts.scheme, host, parts.path.rstrip("/"), "", ""))
+        self.url = self._base + "/chat/completions"
+        self._api_key = os.environ.get(self.api_key_env) or None
+        # Over plain http:// anyone on the path reads the key; loopback traffic has no path.
+        readable = parts.scheme == "http" and not _is_loopback(parts.hostname)
+        if self._api_key and readable and not self.allow_plain_http_key:
+            raise ValueError(
+                f"endpoint {self._base}: the API key in ${self.api_key_env} would travel "
+                "unencrypted over http:// to a host that is not loopback; use https://, or "
+                "pass allow_plain_http_key=True to send it anyway"
+            )
+        # httpx clients not in use, the last used last. Each serves one request at a time:
+        # httpcore's pool does bookkeeping quadratic in its connections on every request (1.0),
+        # which at 32 connections costs more than a loopback request. Only the event loop's
+        # thread touches the list.
+        self._idle: list[httpx.AsyncClient] = []
+        self._rng = random.Random(self.seed)
+        self._rng_lock = threading.Lock()
+        # Calls made without a run's control share this one: no concurrency limit of its own
+        # (the caller's threads are the limit), the default retry budget.
+        self._standalone = RunControl()
+
+    def _check_options(self) -> None:
         for name, value, least in (
             ("max_attempts", self.max_attempts, 1),
             ("max_tokens", self.max_tokens, 1),
@@ -513,17 +633,6 @@ class OpenAIChatClient:
             math.isfinite(self.temperature) and self.temperature >= 0
         ):
             raise ValueError(f"temperature must be a non-negative number, got {self.temperature}")
-        self.extra_body = check_extra_body(self.extra_body if self.extra_body is not None else {})
-        self._tls = ssl.create_default_context() if parts.scheme == "https" else None
-        self._host = parts.hostname
-        self._base_path = parts.path.rstrip("/")
-        self.url = self.endpoint.rstrip("/") + "/chat/completions"
-        self._api_key = os.environ.get(self.api_key_env) or None
-        self._rng = random.Random(self.seed)
-        self._rng_lock = threading.Lock()
-        # Calls made without a run's control share this one: no concurrency limit of its own
-        # (the caller's threads are the limit), the default retry budget.
-        self._standalone = RunControl()
 
     @property
     def has_api_key(self) -> bool:
@@ -565,9 +674,9 @@ class OpenAIChatClient:
         for attempt in range(1, self.max_attempts + 1):
             ticket = control.acquire()
             # The deadline starts once a slot is taken: waiting for one is not the server's time.
-            started, outcome = time.monotonic(), "other"
+            started, outcome = self.clock(), "other"
             try:
-                reply = self._attempt(body, started + self.timeout_s, control.stop)
+                reply = self._attempt(body, control.stop)
                 outcome = "success"
             except _Failure as failure:
                 outcome = failure.load
@@ -577,7 +686,7 @@ class OpenAIChatClient:
             finally:
                 control.release(ticket, outcome)
             if outcome == "success":
-                latency = round(time.monotonic() - started, 3)
+                latency = round(self.clock() - started, 3)
                 return dataclasses.replace(reply, latency_s=latency, attempts=attempt)
             self._wait_to_retry(last, attempt, control)
         raise AssertionError("unreachable: the last attempt's failure raises")
@@ -620,43 +729,30 @@ class OpenAIChatClient:
             backoff = ceiling / 2 + self._rng.uniform(0, ceiling / 2)
         return backoff if retry_after is None else max(backoff, retry_after)
 
-    def _attempt(self, body: bytes, deadline: float, stop: threading.Event) -> Reply:
-        try:
-            status, headers, raw = self._exchange("POST", "/chat/completions", body, deadline, stop)
-        except TimeoutError:
-            # Retried, but the run's AdaptiveLimit sends one probe at a time until the server
-            # shows it got past this request, which it may still be computing.
-            raise _Failure(
-                f"no reply from {self.url} within {self.timeout_s:g} s",
-                "timeout",
-                retryable=True,
-                overload=True,
-            ) from None
-        except ssl.SSLError as e:
-            raise _Failure(f"TLS with {self.url} failed: {e}", "TLS", retryable=False) from None
-        except (ConnectionRefusedError, socket.gaierror) as e:
-            raise _Failure(f"cannot reach {self.url}: {e}", "connection", retryable=True) from None
-        except (OSError, http.client.HTTPException) as e:
-            raise _Failure(
-                f"connection to {self.url} failed: {e!r}", "connection", retryable=True
-            ) from None
+    def _attempt(self, body: bytes, stop: threading.Event) -> Reply:
+        response = self._exchange("POST", "/chat/completions", body, self.timeout_s, stop)
+        status = response.status_code
         if 300 <= status < 400:
-            where = headers.get("Location", "elsewhere")
+            where = response.headers.get("Location", "elsewhere")
             raise _Failure(
                 f"HTTP {status} from {self.url}: redirect to {where} refused",
                 f"HTTP {status}",
                 retryable=False,
             )
         if status >= 400:
-            detail = _redact(raw[:300].decode("utf-8", "replace"), self._api_key)
+            detail = self._preview(response.content)
             raise _Failure(
                 f"HTTP {status} from {self.url}: {detail or _reason(status)}",
                 f"HTTP {status}",
                 retryable=status in RETRYABLE_STATUSES or status >= 500,
                 overload=status in OVERLOAD_STATUSES or status >= 500,
-                retry_after=_retry_after_seconds(headers.get("Retry-After")),
+                retry_after=_retry_after_seconds(response.headers.get("Retry-After")),
             )
-        return self._read_reply(raw)
+        return self._read_reply(response.content)
+
+    def _preview(self, raw: bytes) -> str:
+        """The start of what the server sent, for a message: never the key, even echoed."""
+        return _redact(raw[:300].decode("utf-8", "replace"), self._api_key)
 
     def _read_reply(self, raw: bytes) -> Reply:
         try:
@@ -667,9 +763,8 @@ class OpenAIChatClient:
         except (ValueError, KeyError, IndexError, TypeError):
             text = data = None
         if text is None:
-            preview = _redact(raw[:300].decode("utf-8", "replace"), self._api_key)
             raise _Failure(
-                f"{self.url} sent no chat completion: {preview!r}",
+                f"{self.url} sent no chat completion: {self._preview(raw)!r}",
                 "malformed reply",
                 retryable=True,
             )
@@ -684,56 +779,71 @@ class OpenAIChatClient:
         )
 
     def _exchange(
-        self, method: str, path: str, body: bytes | None, deadline: float, stop: threading.Event
-    ) -> tuple[int, http.client.HTTPMessage, bytes]:
-        """One request over a fresh connection: (status, headers, body). Raises TimeoutError
-        at `deadline`, Abandoned once `stop` is set, OSError or HTTPException otherwise."""
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("deadline passed")
-        if self._tls is not None:
-            connection = http.client.HTTPSConnection(
-                self._host, self._port, timeout=left, context=self._tls
-            )
-        else:
-            connection = http.client.HTTPConnection(self._host, self._port, timeout=left)
-        headers = {"Accept": "application/json"}
-        if body is not None:
-            headers["Content-Type"] = "application/json"
-        if self._api_key:
-            headers["Authorization"] = f"Bearer {self._api_key}"
+        self,
+        method: str,
+        path: str,
+        body: bytes | None,
+        timeout_s: float,
+        stop: threading.Event | None = None,
+    ) -> httpx.Response:
+        """One request and the server's whole answer within `timeout_s` by `clock`. Raises
+        Abandoned once `stop` is set, _Failure when the deadline passes or no answer comes."""
+        url = self._base + path
+        deadline = self.clock() + timeout_s
+        future = _EVENT_LOOP.submit(self._send(method, url, body))
         try:
-            connection.request(method, self._base_path + path, body=body, headers=headers)
-            _await_answer(connection.sock, deadline, stop)
-            connection.sock.settimeout(max(deadline - time.monotonic(), 1e-3))
-            response = connection.getresponse()
-            return response.status, response.headers, response.read()
+            while True:
+                if stop is not None and stop.is_set():
+                    raise Abandoned()
+                left = deadline - self.clock()
+                # Short waits: Ctrl-C is never held up longer than POLL_S.
+                done, _ = concurrent.futures.wait([future], timeout=max(0.0, min(left, POLL_S)))
+                if done:
+                    response, answered = future.result()
+                    if answered < deadline:
+                        return response
+                if done or left <= 0:
+                    # Retried, but the run's AdaptiveLimit sends one probe at a time until the
+                    # server shows it got past this request, which it may still be computing.
+                    raise _Failure(
+                        f"no reply from {url} within {timeout_s:g} s",
+                        "timeout",
+                        retryable=True,
+                        overload=True,
+                    )
+        except httpx.RequestError as e:
+            raise _connection_failure(url, e) from None
         finally:
-            connection.close()
+            # A request given up on is cancelled, which closes its connection (a no-op once
+            # answered).
+            future.cancel()
+
+    async def _send(
+        self, method: str, url: str, body: bytes | None
+    ) -> tuple[httpx.Response, float]:
+        """The server's whole answer, and when it came by `clock`: read on the event loop, so
+        that a deadline does not depend on when the asking thread next looks."""
+        headers = {"Content-Type": "application/json"} if body is not None else None
+        # The one used last: its connection is the likeliest to be kept alive.
+        http = self._idle.pop() if self._idle else _http_client(self._api_key)
+        try:
+            response = await http.request(method, url, content=body, headers=headers)
+        finally:
+            self._idle.append(http)
+        return response, self.clock()
 
     def post_json(self, path: str, body: dict) -> tuple[int, Any]:
         """One POST of `body` to {endpoint}{path}, not retried: (HTTP status, the decoded JSON
         or None). Raises ClientError when the server cannot be reached or does not answer
         within `timeout_s`. For requests besides chat completions (the interleaving probe)."""
-        url = self.endpoint.rstrip("/") + path
         try:
-            status, _, raw = self._exchange(
-                "POST",
-                path,
-                json.dumps(body).encode(),
-                time.monotonic() + self.timeout_s,
-                threading.Event(),
-            )
-        except TimeoutError:
-            raise ClientError(
-                f"no reply from {url} within {self.timeout_s:g} s", "timeout"
-            ) from None
-        except (OSError, http.client.HTTPException) as e:
-            raise ClientError(f"cannot reach {url}: {e}", "connection") from None
+            response = self._exchange("POST", path, json.dumps(body).encode(), self.timeout_s)
+        except _Failure as failure:
+            raise ClientError(str(failure), failure.kind) from None
         try:
-            return status, json.loads(raw)
+            return response.status_code, response.json()
         except ValueError:
-            return status, None
+            return response.status_code, None
 
     # --- the preflight -------------------------------------------------------------------------
 
@@ -744,23 +854,22 @@ class OpenAIChatClient:
         without this one (the message names the listed ones and the closest). Returns a note
         when the server cannot tell (no such route, an empty or odd list), None when listed.
         """
-        url = self.endpoint.rstrip("/") + "/models"
+        url = self._base + "/models"
         limit = min(self.timeout_s, PREFLIGHT_TIMEOUT_S)
         unchecked = f"the model name {self.model!r} is not checked"
         try:
-            status, _, raw = self._exchange(
-                "GET", "/models", None, time.monotonic() + limit, threading.Event()
-            )
-        except TimeoutError:
-            return f"{url} did not answer within {limit:g} s; {unchecked}"
-        except ssl.SSLError as e:
-            raise ClientError(f"TLS with {url} failed: {e}", "TLS") from None
-        except (OSError, http.client.HTTPException) as e:
-            raise ClientError(
-                f"cannot reach {url}: {e}; is the server running, and is --endpoint its "
-                "base URL (such as http://127.0.0.1:8000/v1)?",
-                "connection",
-            ) from None
+            response = self._exchange("GET", "/models", None, limit)
+        except _Failure as failure:
+            if failure.kind == "timeout":
+                return f"{url} did not answer within {limit:g} s; {unchecked}"
+            hint = ""
+            if failure.kind == "connection":
+                hint = (
+                    "; is the server running, and is --endpoint its base URL (such as "
+                    "http://127.0.0.1:8000/v1)?"
+                )
+            raise ClientError(f"{failure}{hint}", failure.kind) from None
+        status = response.status_code
         if status in (401, 403):
             raise ClientError(
                 f"HTTP {status} from {url}: the server refuses the API key "
@@ -772,7 +881,7 @@ class OpenAIChatClient:
             return f"{url} answers HTTP {status}: the server lists no models; {unchecked}"
         if status != 200:
             return f"{url} answers HTTP {status}; {unchecked}"
-        ids = _model_ids(raw)
+        ids = _model_ids(response.content)
         if ids is None:
             return f"{url} sent no model list; {unchecked}"
         if not ids:
@@ -789,7 +898,7 @@ class OpenAIChatClient:
         shown = ", ".join(repr(i) for i in ids[:20])
         more = f" and {len(ids) - 20} more" if len(ids) > 20 else ""
         return (
-            f"model {self.model!r} is not served by {self.endpoint}{hint}; it lists {shown}{more} "
+            f"model {self.model!r} is not served by {self._base}{hint}; it lists {shown}{more} "
             "(--model must be one of them; a server that loads models on demand, as "
             "transformers serve does a local path, may list a model only once it is loaded: "
             "--no-model-check skips this check)"
@@ -797,10 +906,7 @@ class OpenAIChatClient:
 
 
 def _reason(status: int) -> str:
-    try:
-        return http.HTTPStatus(status).phrase
-    except ValueError:
-        return "no detail"
+    return httpx.codes.get_reason_phrase(status) or "no detail"
 
 
 class TransformersClient:

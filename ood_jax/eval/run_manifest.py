@@ -58,6 +58,7 @@ _CLIENT_SETTINGS = (
     "max_attempts",
     "backoff_base_s",
     "max_retry_after_s",
+    "allow_plain_http_key",
     "device",
 )
 
@@ -74,6 +75,11 @@ def client_manifest(client: Client, limits: Limits, **options: Any) -> dict:
     endpoint = getattr(client, "endpoint", None)
     if isinstance(endpoint, str):
         request["endpoint"] = _without_credentials(endpoint)
+    # Replicas (ood_jax.eval.replicas) share every setting but the endpoint.
+    endpoints = getattr(client, "endpoints", None)
+    if endpoints:
+        request["endpoints"] = [_without_credentials(e) for e in endpoints]
+        client = client.replicas[0].client
     request.update({k: getattr(client, k) for k in _CLIENT_SETTINGS if hasattr(client, k)})
     request.update(options, max_requests=limits.max_requests, max_cost=limits.max_cost)
     return {
