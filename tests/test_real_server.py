@@ -402,6 +402,29 @@ def test_foci_end_to_end_then_resume_sends_nothing(server, models, local, foci_d
     assert again["accuracy"] == results["accuracy"]
 
 
+def test_two_replicas_answer_as_one_server(server, models, local, foci_data, tmp_path):
+    """Two `transformers serve` instances as replicas of one model (--endpoint twice): both
+    compute, and every reply is the one local model's."""
+    model = models["llava"]
+    (tmp_path / "second").mkdir()
+    second = Serve(tmp_path / "second")
+    try:
+        second.wait_ready()
+        _chat(second.url, model)  # loaded, so that it lists the model by its path
+        before = (server.generations(model), second.generations(model))
+        output = tmp_path / "replicas"
+        argv = ["foci", "--data-dir", str(foci_data), *_endpoint_argv(server, model, output)]
+        code, results = run_eval(*argv, "--endpoint", second.url)
+        after = (server.generations(model), second.generations(model))
+    finally:
+        second.stop()
+    assert code == 0 and results["complete"] is True and results["num_items"] == 4
+    assert after[0] > before[0] and after[1] > before[1]  # both replicas computed
+    benchmark = tasks.make_benchmark("foci", data_dir=str(foci_data))
+    for item, record in zip(benchmark.items(), _predictions(output)):
+        assert record["reply"].strip() == local["llava"].generate(item.request).text
+
+
 @pytest.fixture
 def broken_items(tmp_path) -> pathlib.Path:
     """Two grounding items, the second with a PNG the server cannot decode."""
