@@ -59,6 +59,16 @@ def _source(root, num_images: int = 14) -> list[tuple[int, int]]:
     return pairs
 
 
+def save_blip2(path) -> torch.nn.Module:
+    """A random-weight BLIP-2 retrieval checkpoint with its tokenizer and image processor."""
+    blip2 = perturbed(transformers.Blip2ForImageTextRetrieval(blip2_config()), seed=4)
+    blip2.save_pretrained(path)
+    save_bert_tokenizer(path)
+    processor = transformers.BlipImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    processor.save_pretrained(path)
+    return blip2
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("paper_scorers")
@@ -66,12 +76,7 @@ def checkpoints(tmp_path_factory) -> dict:
     groupvit = save_groupvit(root / "groupvit", groupvit_config(), seed=3)
     for name in ("tokenizer.json", "tokenizer_config.json"):  # GroupViT's text tower is CLIP's
         shutil.copy(root / "clip" / name, root / "groupvit" / name)
-    blip2 = perturbed(transformers.Blip2ForImageTextRetrieval(blip2_config()), seed=4)
-    blip2.save_pretrained(root / "blip2")
-    save_bert_tokenizer(root / "blip2")
-    transformers.BlipImageProcessor(
-        size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
-    ).save_pretrained(root / "blip2")
+    blip2 = save_blip2(root / "blip2")
     arch = LIT_ARCHS["b16b_bert"]
     tree = lit_tree(arch, seed=5)
     write_dir(root / "lit", published(tree, arch["layout"]), vocab=WORDPIECES)

@@ -18,13 +18,11 @@ import sys
 
 import numpy as np
 import pytest
-import transformers
 from PIL import Image
-from test_blip2 import every_layer as blip2_config
-from test_blip2 import save_bert_tokenizer
 from test_mining_paper_scorers import _source as coco_source
+from test_mining_paper_scorers import save_blip2
 from test_multiprocess import HANG_GUARD_S, REPO, environ, launch_command, run
-from test_scorers import IMAGE_SIZE, clip_config, perturbed, save_clip
+from test_scorers import IMAGE_SIZE, clip_config, save_clip
 
 from ood_jax import datasets
 
@@ -36,12 +34,7 @@ FOLDERS = {"c0": "snow leopard", "c1": "lynx", "c2": "ocelot", "c3": "serval", "
 def checkpoints(tmp_path_factory) -> dict[str, pathlib.Path]:
     root = tmp_path_factory.mktemp("scorers")
     save_clip(root / "clip", clip_config())
-    blip2 = perturbed(transformers.Blip2ForImageTextRetrieval(blip2_config()), seed=4)
-    blip2.save_pretrained(root / "blip2")
-    save_bert_tokenizer(root / "blip2")
-    transformers.BlipImageProcessor(
-        size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
-    ).save_pretrained(root / "blip2")
+    save_blip2(root / "blip2")
     return {"clip": root / "clip", "blip2": root / "blip2"}
 
 
