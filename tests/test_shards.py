@@ -83,6 +83,8 @@ def test_merge_refuses_what_is_not_one_whole_run(split, tmp_path):
     assert "merge needs every shard I/N of one N once" in refused(*parts[:2])
     assert "merge needs every shard I/N of one N once" in refused(parts[0], parts[0], parts[1])
     assert "not a part of a split run" in refused(split / "single", *parts[1:])
+    with pytest.raises(SystemExit, match="is one of the parts"):
+        cli.main(["merge", *map(str, parts), "--output", str(parts[0])])
 
     other = tmp_path / "other"
     run(other, shards.Shard(0, PARTS), model="another")
@@ -158,6 +160,7 @@ def test_the_command_splits_and_merges_as_one_run(foci_data, compile_cache, tmp_
             capture_output=True, text=True, timeout=HANG_GUARD_S,
         )  # fmt: skip
         assert done.returncode in (0, 3), done.stdout[-3000:] + done.stderr[-3000:]
+
     def replies(directory: pathlib.Path) -> list[dict]:  # all but the time each reply took
         return [{**r, "latency_s": None} for r in records(directory)]
 

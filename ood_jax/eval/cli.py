@@ -507,7 +507,7 @@ def _http_client(
             **options,
         )
     except ValueError as e:
-        raise _fail(str(e).replace("allow_plain_http_key=True", "--allow-plain-http-key")) from None
+        raise _fail(str(e)) from None
     if not client.has_api_key:
         print(f"note: ${api_key_env} is not set; sending no API key", file=sys.stderr)
     if not args.no_model_check:
@@ -588,7 +588,7 @@ def run_eval_mllm(args: argparse.Namespace) -> dict:
         multihost.barrier("eval-mllm: every part answered")
         if not multihost.is_primary():
             return results
-        parts = sorted((pathlib.Path(args.output) / PARTS_DIR).iterdir(), key=lambda p: p.name)
+        parts = [pathlib.Path(args.output) / PARTS_DIR / str(i) for i in range(jax.process_count())]
         try:
             results, _ = shards.merge(parts, args.output)
         except store.RunError as e:

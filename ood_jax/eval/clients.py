@@ -601,7 +601,8 @@ class OpenAIChatClient:
             raise ValueError(
                 f"endpoint {self._base}: the API key in ${self.api_key_env} would travel "
                 "unencrypted over http:// to a host that is not loopback; use https://, or "
-                "pass allow_plain_http_key=True to send it anyway"
+                "allow it explicitly (eval-mllm --allow-plain-http-key; "
+                "allow_plain_http_key=True here)"
             )
         # httpx clients not in use, the last used last. Each serves one request at a time:
         # httpcore's pool does bookkeeping quadratic in its connections on every request (1.0),

@@ -111,6 +111,9 @@ def merge(part_dirs: Sequence[str | pathlib.Path], output: str | pathlib.Path) -
     order), run.json, judge.jsonl (the judge mode's verdicts), results.json and results.md as a
     single run writes them, and a manifest naming the parts. Returns (results, markdown)."""
     parts = [_read_part(pathlib.Path(d)) for d in part_dirs]
+    output = pathlib.Path(output)
+    if any(output.resolve() == part.directory.resolve() for part in parts):
+        raise RunError(f"--output {output} is one of the parts; merge into another directory")
     identity = {k: v for k, v in store.run_identity(parts[0].run).items() if k != "shard"}
     for part in parts[1:]:
         other = {k: v for k, v in store.run_identity(part.run).items() if k != "shard"}
@@ -158,7 +161,13 @@ def merge(part_dirs: Sequence[str | pathlib.Path], output: str | pathlib.Path) -
             "finish every part first"
         )
 
-    output = pathlib.Path(output)
+    scoring_keys = {"parse_mode": parse_mode, "judge": judge_identity, "prices": prices}
+    run = {**identity, **{k: v for k, v in scoring_keys.items() if v is not None}}
+    try:
+        scoring = tasks.scoring_for(run)
+    except ValueError as e:
+        raise RunError(f"{parts[0].directory / store.RUN_FILE}: {e}") from None
+
     output.mkdir(parents=True, exist_ok=True)
     about = manifest.collect(
         "merge",
@@ -166,13 +175,7 @@ def merge(part_dirs: Sequence[str | pathlib.Path], output: str | pathlib.Path) -
         items={"count": len(items), "digest": manifest.items_digest(items)},
     )
     with manifest.recording(output, about):
-        scoring_keys = {"parse_mode": parse_mode, "judge": judge_identity, "prices": prices}
-        run = {**identity, **{k: v for k, v in scoring_keys.items() if v is not None}}
         files.write_atomic(output / store.RUN_FILE, json.dumps(run, indent=2) + "\n")
-        try:
-            scoring = tasks.scoring_for(run)
-        except ValueError as e:
-            raise RunError(f"{parts[0].directory / store.RUN_FILE}: {e}") from None
         if judge_identity is not None:
             scoring = scoring.reading(JUDGE_MODE, _merged_verdicts(parts, judge_identity, output))
         else:
