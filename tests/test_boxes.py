@@ -245,8 +245,12 @@ def test_jit_and_vmap_match_eager():
     rng = np.random.default_rng(5)
     a, b = (jnp.asarray(random_xyxy(rng, (4, 6)), jnp.float32) for _ in range(2))
     a = a.at[0].set(jnp.asarray(degenerate_pairs(rng)[0][:6]))
-    for fn in (boxes.pairwise_giou, lambda x, y: boxes.pairwise_iou(x, y)[0],
-               boxes.elementwise_iou, boxes.elementwise_giou):
+    for fn in (
+        boxes.pairwise_giou,
+        lambda x, y: boxes.pairwise_iou(x, y)[0],
+        boxes.elementwise_iou,
+        boxes.elementwise_giou,
+    ):
         eager = fn(a, b)
         close(np.asarray(jax.jit(fn)(a, b)), np.asarray(eager))
         close(np.asarray(jax.vmap(fn)(a, b)), np.asarray(eager))

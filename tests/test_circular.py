@@ -23,7 +23,7 @@ from test_clients import ChatServer, completion, prompt_text
 from test_eval_runner import SPLIT_LINES, foci_data, oodbench_data  # noqa: F401 (fixtures)
 
 from ood_jax import cli, prompts
-from ood_jax.eval import cli as eval_cli
+from ood_jax.cli import mllm as eval_cli
 from ood_jax.eval import store
 from ood_jax.eval import compare, rescore, runner
 from ood_jax.eval.clients import ImageInput

@@ -547,7 +547,7 @@ def test_local_client_needs_a_model_directory(tmp_path):
 def test_local_client_through_eval_mllm(tiny_llava, tmp_path, capsys):
     import argparse
 
-    from ood_jax.eval import cli as eval_cli
+    from ood_jax.cli import mllm as eval_cli
     from ood_jax import prompts
 
     options = ["dog", "cat", "yes", "no"]

@@ -26,10 +26,41 @@ from ood_jax.metrics import coco as ours  # noqa: E402
 from ood_jax.testing.coco_cases import case_summary, random_case  # noqa: E402
 
 TOL = 1e-6
-STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
+STAT_NAMES = (
+    "AP",
+    "AP50",
+    "AP75",
+    "APs",
+    "APm",
+    "APl",
+    "AR1",
+    "AR10",
+    "AR100",
+    "ARs",
+    "ARm",
+    "ARl",
+)
 # area ranges of the 12 stats: all, small, medium, large
-_AREA_RNG = {"all": (0.0, 1e5**2), "small": (0.0, 32.0**2), "medium": (32.0**2, 96.0**2), "large": (96.0**2, 1e5**2)}
-_STAT_AREA = ("all", "all", "all", "small", "medium", "large", "all", "all", "all", "small", "medium", "large")
+_AREA_RNG = {
+    "all": (0.0, 1e5**2),
+    "small": (0.0, 32.0**2),
+    "medium": (32.0**2, 96.0**2),
+    "large": (96.0**2, 1e5**2),
+}
+_STAT_AREA = (
+    "all",
+    "all",
+    "all",
+    "small",
+    "medium",
+    "large",
+    "all",
+    "all",
+    "all",
+    "small",
+    "medium",
+    "large",
+)
 
 
 # --------------------------------------------------------------------- helpers
@@ -91,7 +122,9 @@ def assert_stats_close(label: str, got: dict, want: np.ndarray, tol: float = TOL
 
 def assert_per_cat_close(label: str, got: dict, want: dict, tol: float = TOL) -> None:
     got = {int(k): float(v) for k, v in got.items()}
-    assert set(got) == set(want), f"[{label}] per-category keys: ours {sorted(got)} vs pycocotools {sorted(want)}"
+    assert set(got) == set(want), (
+        f"[{label}] per-category keys: ours {sorted(got)} vs pycocotools {sorted(want)}"
+    )
     bad = [
         f"category {c}: ours={got[c]!r} pycocotools={want[c]!r}"
         for c in sorted(want)
@@ -230,7 +263,11 @@ def test_emphasis_cases_have_their_feature():
     s = summ("categories_without_gt")
     assert s["categories_without_gt"] >= 4 and s["categories_without_gt_with_dets"] >= 2
     s = summ("everything_at_once")
-    assert not s["image_ids_sorted"] and not s["category_ids_contiguous"] and not s["category_ids_sorted"]
+    assert (
+        not s["image_ids_sorted"]
+        and not s["category_ids_contiguous"]
+        and not s["category_ids_sorted"]
+    )
     assert s["images_without_gt_or_dets"] >= 1
 
 
@@ -279,7 +316,10 @@ def _all_ignored_case(seed: int) -> tuple[dict, list[dict]]:
     detection is matched to a crowd gt, hence ignored, in every area range."""
     r = np.random.default_rng(seed)
     cat_ids = [9, 2, 5]  # category 5: crowd regions only (no non-crowd gt)
-    images = [{"id": 1000 - 37 * i, "width": 640, "height": 480, "file_name": f"{i}.jpg"} for i in range(15)]
+    images = [
+        {"id": 1000 - 37 * i, "width": 640, "height": 480, "file_name": f"{i}.jpg"}
+        for i in range(15)
+    ]
     anns, dets = [], []
     for im in images:
         for c in cat_ids:
@@ -288,17 +328,36 @@ def _all_ignored_case(seed: int) -> tuple[dict, list[dict]]:
                     w, h = r.uniform(4, 140), r.uniform(4, 140)
                     x, y = r.uniform(0, 250 - min(w, 249)), r.uniform(0, 480 - h)
                     area = w * h * r.uniform(0.3, 1.0)
-                    anns.append(dict(image_id=im["id"], category_id=c, bbox=[x, y, w, h], area=area, iscrowd=0))
+                    anns.append(
+                        dict(
+                            image_id=im["id"],
+                            category_id=c,
+                            bbox=[x, y, w, h],
+                            area=area,
+                            iscrowd=0,
+                        )
+                    )
             cx, cy = r.uniform(300, 400), r.uniform(0, 200)
             cw, ch = r.uniform(100, 640 - cx), r.uniform(100, 480 - cy)
             anns.append(
-                dict(image_id=im["id"], category_id=c, bbox=[cx, cy, cw, ch], area=cw * ch * 0.7, iscrowd=1)
+                dict(
+                    image_id=im["id"],
+                    category_id=c,
+                    bbox=[cx, cy, cw, ch],
+                    area=cw * ch * 0.7,
+                    iscrowd=1,
+                )
             )
             for _ in range(int(r.integers(2, 40))):
                 w, h = cw * r.uniform(0.05, 0.95), ch * r.uniform(0.05, 0.95)
                 x, y = cx + r.uniform(0.01, 0.99) * (cw - w), cy + r.uniform(0.01, 0.99) * (ch - h)
                 dets.append(
-                    dict(image_id=im["id"], category_id=c, bbox=[x, y, w, h], score=round(float(r.random()), 1))
+                    dict(
+                        image_id=im["id"],
+                        category_id=c,
+                        bbox=[x, y, w, h],
+                        score=round(float(r.random()), 1),
+                    )
                 )
     order = r.permutation(len(anns))
     anns = [dict(anns[i], id=k + 1) for k, i in enumerate(order)]
@@ -311,7 +370,9 @@ def test_every_detection_ignored():
     gt, dets = _all_ignored_case(3)
     want_stats, want_cat = expected_without_true_positives(gt)
     pc_stats, pc_cat = pycocotools_eval(gt, dets)
-    np.testing.assert_allclose(pc_stats, want_stats, atol=0, rtol=0)  # the construction does what it says
+    np.testing.assert_allclose(
+        pc_stats, want_stats, atol=0, rtol=0
+    )  # the construction does what it says
     assert pc_cat == want_cat
     res = ours.evaluate_detailed(gt, dets)
     assert_stats_close("every detection ignored", res.stats, pc_stats)
@@ -334,14 +395,20 @@ def test_annotation_id_zero():
     target = anns[0]
     gt = {**gt, "annotations": [dict(a, id=k) for k, a in enumerate(anns)]}
     dets = dets + [
-        {"image_id": target["image_id"], "category_id": target["category_id"], "bbox": list(target["bbox"]),
-         "score": 1.0}
+        {
+            "image_id": target["image_id"],
+            "category_id": target["category_id"],
+            "bbox": list(target["bbox"]),
+            "score": 1.0,
+        }
     ]
     check_parity("annotation id 0", gt, dets)
 
 
 def test_evaluate_matches_detailed_and_does_not_mutate_inputs():
-    gt, dets = random_case(5, num_images=30, num_categories=5, dets_per_image=40, crowd_fraction=0.1)
+    gt, dets = random_case(
+        5, num_images=30, num_categories=5, dets_per_image=40, crowd_fraction=0.1
+    )
     gt0, dets0 = copy.deepcopy(gt), copy.deepcopy(dets)
     s = ours.evaluate(gt, dets)
     d = ours.evaluate_detailed(gt, dets)
@@ -382,7 +449,12 @@ def _pack(gt: dict, dets: list[dict], seed: int):
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_evaluate_arrays_matches_evaluate(seed):
     gt, dets = random_case(
-        200 + seed, num_images=25, num_categories=5, dets_per_image=30, tie_fraction=0.5, big_group_fraction=0.1
+        200 + seed,
+        num_images=25,
+        num_categories=5,
+        dets_per_image=30,
+        tie_fraction=0.5,
+        big_group_fraction=0.1,
     )
     image_ids, boxes, scores, labels, valid = _pack(gt, dets, seed)
     assert not valid.all()
@@ -393,15 +465,23 @@ def test_evaluate_arrays_matches_evaluate(seed):
 
     # valid=None: every slot counts, same as the flattened list (row-major order)
     flat = [
-        {"image_id": int(image_ids[i]), "category_id": int(labels[i, j]), "bbox": boxes[i, j].tolist(),
-         "score": float(scores[i, j])}
+        {
+            "image_id": int(image_ids[i]),
+            "category_id": int(labels[i, j]),
+            "bbox": boxes[i, j].tolist(),
+            "score": float(scores[i, j]),
+        }
         for i in range(boxes.shape[0])
         for j in range(boxes.shape[1])
     ]
     want_all = ours.evaluate_detailed(gt, flat)
     got_all = ours.evaluate_arrays(gt, image_ids, boxes, scores, labels)
-    np.testing.assert_allclose(_stats_vec(got_all.stats), _stats_vec(want_all.stats), atol=TOL, rtol=0)
-    assert_per_cat_close(f"evaluate_arrays valid=None seed={seed}", got_all.per_category_ap, want_all.per_category_ap)
+    np.testing.assert_allclose(
+        _stats_vec(got_all.stats), _stats_vec(want_all.stats), atol=TOL, rtol=0
+    )
+    assert_per_cat_close(
+        f"evaluate_arrays valid=None seed={seed}", got_all.per_category_ap, want_all.per_category_ap
+    )
     # and the padding really matters (so the mask test above is meaningful)
     assert np.abs(_stats_vec(want_all.stats) - _stats_vec(want.stats)).max() > 1e-3
 
@@ -409,13 +489,17 @@ def test_evaluate_arrays_matches_evaluate(seed):
 # -------------------------------------------------------------------- bad input
 _BAD = {
     "unknown_image_id": lambda d, gt: d.update(image_id=max(i["id"] for i in gt["images"]) + 1000),
-    "unknown_category_id": lambda d, gt: d.update(category_id=max(c["id"] for c in gt["categories"]) + 1000),
+    "unknown_category_id": lambda d, gt: d.update(
+        category_id=max(c["id"] for c in gt["categories"]) + 1000
+    ),
     "nan_score": lambda d, gt: d.update(score=math.nan),
     "inf_score": lambda d, gt: d.update(score=math.inf),
     "inf_box": lambda d, gt: d.update(bbox=[d["bbox"][0], math.inf, d["bbox"][2], d["bbox"][3]]),
     "nan_box": lambda d, gt: d.update(bbox=[math.nan, d["bbox"][1], d["bbox"][2], d["bbox"][3]]),
     "zero_width": lambda d, gt: d.update(bbox=[d["bbox"][0], d["bbox"][1], 0.0, d["bbox"][3]]),
-    "negative_height": lambda d, gt: d.update(bbox=[d["bbox"][0], d["bbox"][1], d["bbox"][2], -3.0]),
+    "negative_height": lambda d, gt: d.update(
+        bbox=[d["bbox"][0], d["bbox"][1], d["bbox"][2], -3.0]
+    ),
 }
 
 
@@ -431,7 +515,9 @@ def test_bad_detection_raises_with_index(kind):
         ours.evaluate_detailed(gt, dets)
 
 
-@pytest.mark.parametrize("kind", ["unknown_image_id", "unknown_category_id", "nan_score", "inf_box", "zero_width"])
+@pytest.mark.parametrize(
+    "kind", ["unknown_image_id", "unknown_category_id", "nan_score", "inf_box", "zero_width"]
+)
 def test_bad_arrays_raise(kind):
     gt, dets = random_case(4, num_images=6, num_categories=3, dets_per_image=10)
     image_ids, boxes, scores, labels, valid = _pack(gt, dets, 0)
@@ -463,7 +549,11 @@ def test_generator_deterministic_and_adversarial():
     assert s["categories_without_gt"] >= 2 and s["categories_without_gt_with_dets"] >= 1
     assert s["area_ne_wh"] > 0.9 * s["annotations"] and s["area_range_differs_from_box"] > 0
     assert s["area_on_threshold"] > 0
-    assert not s["image_ids_sorted"] and not s["category_ids_contiguous"] and not s["category_ids_sorted"]
+    assert (
+        not s["image_ids_sorted"]
+        and not s["category_ids_contiguous"]
+        and not s["category_ids_sorted"]
+    )
     assert [a["id"] for a in gt["annotations"]] == list(range(1, len(gt["annotations"]) + 1))
     for d in dets:
         assert d["bbox"][2] > 0 and d["bbox"][3] > 0 and 0 <= d["score"] <= 1

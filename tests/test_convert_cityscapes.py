@@ -203,7 +203,9 @@ def test_provenance_and_reruns(root, tmp_path):
     before = (out / "annotations.json").read_text()
     assert convert_cityscapes.convert(root, "val", out) == summary  # the same conversion
     assert (out / "annotations.json").read_text() == before
-    with pytest.raises(building.BuildError, match="holds a conversion with split 'val', not 'train'"):
+    with pytest.raises(
+        building.BuildError, match="holds a conversion with split 'val', not 'train'"
+    ):
         convert_cityscapes.convert(root, "train", out)
     assert (out / "annotations.json").read_text() == before
 
@@ -217,7 +219,9 @@ def test_refuses_an_out_it_did_not_write(root, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "annotations.json").write_text("{}")
-    with pytest.raises(building.BuildError, match="without ood_jax_convert.json, so not a converter's output"):
+    with pytest.raises(
+        building.BuildError, match="without ood_jax_convert.json, so not a converter's output"
+    ):
         convert_cityscapes.convert(root, "val", out)
 
 

@@ -14,7 +14,7 @@ from test_client_load import Letters, right_answer
 from test_clients import ChatServer, prompt_text
 
 from ood_jax import cli, manifest
-from ood_jax.eval import cli as eval_cli
+from ood_jax.cli import mllm as eval_cli
 from ood_jax.eval import store
 
 

@@ -12,7 +12,7 @@ from test_client_load import Letters, right_answer
 from test_clients import ChatServer, completion, prompt_text
 
 from ood_jax import cli
-from ood_jax.eval import cli as eval_cli
+from ood_jax.cli import mllm as eval_cli
 from ood_jax.eval import store
 
 USAGE = {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}

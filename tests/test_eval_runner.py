@@ -23,7 +23,7 @@ from test_clients import KEY, KEY_ENV, ChatServer, completion, image_parts, prom
 
 from ood_jax import cli, datasets
 from ood_jax import prompts
-from ood_jax.eval import cli as eval_cli
+from ood_jax.cli import mllm as eval_cli
 from ood_jax.eval import store
 from ood_jax.eval import results as run_results
 from ood_jax.eval import clip_baseline, runner, tasks

@@ -14,7 +14,7 @@ import pytest
 from test_clients import ChatServer, completion, prompt_text
 
 from ood_jax import cli
-from ood_jax.eval import cli as eval_cli
+from ood_jax.cli import mllm as eval_cli
 from ood_jax.eval import store
 from ood_jax.eval import judge, rescore, runner
 from ood_jax.eval.clients import ClientError, Request

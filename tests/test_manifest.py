@@ -19,13 +19,13 @@ from test_eval_runner import ScriptedClient, foci_data, foci_reply  # noqa: F401
 from test_mining_foci import FakeScorer, _write_image
 
 from ood_jax import cli, datasets, manifest, prompts
-from ood_jax.eval import cli as eval_cli
+from ood_jax.cli import mllm as eval_cli
 from ood_jax.eval import store
 from ood_jax.eval import scheduling
 from ood_jax.eval import compare, parsing, runner, tasks
 from ood_jax.eval.clients import ClientError, OpenAIChatClient, Request
 from ood_jax.eval.tasks.base import Item
-from ood_jax.mining import cli as mining_cli
+from ood_jax.cli import mine as mining_cli
 from ood_jax.mining import foci
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

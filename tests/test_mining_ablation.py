@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from test_mining_oodbench import CATEGORIES, FakeScorer, _coco_source, _reference_splits
 
-from ood_jax.mining import cli as mining_cli
+from ood_jax.cli import mine as mining_cli
 from ood_jax.mining import oodbench
 
 GROUPS = {"I": ("clip", "blip2"), "II": ("blip2", "groupvit"), "III": ("groupvit", "lit")}

@@ -17,7 +17,7 @@ from test_scorers import IMAGE_SIZE, TEXT_LEN, clip_config, normalized, save_cli
 
 from ood_jax import datasets, scorers
 from ood_jax.data import foci as foci_source
-from ood_jax.mining import cli as mining_cli
+from ood_jax.cli import mine as mining_cli
 from ood_jax.mining import foci
 
 # Names of letters the tiny tokenizer knows, so every class has text features of its own; their

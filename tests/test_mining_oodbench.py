@@ -16,7 +16,7 @@ from PIL import Image
 from scipy import special
 
 from ood_jax import datasets
-from ood_jax.mining import cli as mining_cli
+from ood_jax.cli import mine as mining_cli
 from ood_jax.mining import oodbench
 
 _TEXT = dict(

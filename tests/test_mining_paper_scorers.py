@@ -31,7 +31,7 @@ from test_lit import wordpiece_reference
 from test_mining_ablation import GROUPS, SERIES, _numpy_labels
 from test_scorers import IMAGE_SIZE, clip_config, perturbed, save_clip
 
-from ood_jax.mining import cli as mining_cli
+from ood_jax.cli import mine as mining_cli
 
 CATEGORIES = {1: "cat", 2: "dog", 3: "traffic_light", 4: "zebra", 5: "person", 6: "kite"}
 NAMES = {name: category_id for category_id, name in CATEGORIES.items()}

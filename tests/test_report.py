@@ -28,6 +28,7 @@ import scipy.stats
 from PIL import Image
 
 from ood_jax import files, manifest, report
+from ood_jax.cli import report as report_command
 from ood_jax.detection import evaluation
 from ood_jax.eval import clip_baseline
 from ood_jax.eval import store
@@ -568,7 +569,7 @@ def test_a_score_without_a_logit_is_fitted_linearly_and_a_missing_one_left_out()
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ood-jax")
-    report.add_parser(parser.add_subparsers(dest="command", required=True))
+    report_command.add_parser(parser.add_subparsers(dest="command", required=True))
     return parser
 
 

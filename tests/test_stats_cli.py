@@ -10,7 +10,7 @@ import pytest
 from scipy import stats as sps
 
 from ood_jax import stats
-from ood_jax.stats import cli as stats_command
+from ood_jax.cli import stats as stats_command
 
 
 def stats_cli(argv: list[str], capsys) -> dict:

@@ -44,7 +44,7 @@ from ood_jax.eval import store
 from ood_jax.metrics import classification
 from ood_jax.eval.tasks.counts_oodg import OODG_SETTINGS
 from ood_jax.eval.tasks.oodbench import OODBENCH_SPLITS
-from ood_jax.stats import cli as stats_cli
+from ood_jax.cli import stats as stats_cli
 
 INTERVALS = {"wilson": stats.wilson, "clopper-pearson": stats.clopper_pearson}
 INTERVAL_NAMES = {"wilson": "Wilson", "clopper-pearson": "Clopper-Pearson"}

@@ -30,7 +30,7 @@ from ood_jax.eval import accounting, clients, interleaving, judge, probe, rescor
 from ood_jax.eval import replicas, scheduling, shards, store, tasks
 from ood_jax.eval.tasks import corrupted, foci, oodbench
 from ood_jax.metrics import robustness
-from ood_jax.stats import cli as stats_cli
+from ood_jax.cli import stats as stats_cli
 
 
 # The tasks whose items `--corrupted` asks over a corrupted dataset.

@@ -1,22 +1,12 @@
-"""`ood-jax report RUN_DIR... --out report.html`: the effective-robustness report of some runs.
-
-`add_parser(subparsers)` adds the command to the `ood-jax` parser; `write_report(...)` is the
-same thing as a function.
-"""
+"""`ood-jax report RUN_DIR... --out report.html`: the effective-robustness report of some runs."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
-from collections.abc import Sequence
 
-from ood_jax import files, help_text
-from ood_jax.report import fit, read
-from ood_jax.report.fit import Panel
-from ood_jax.report.runs import Run
-
-DEFAULT_TITLE = "ood-jax effective-robustness report"
+from ood_jax import help_text
+from ood_jax.report import DEFAULT_TITLE, fit, write_report
 
 DESCRIPTION = (
     "One static HTML page (inline SVG plots, no script, nothing loaded from elsewhere) about "
@@ -27,23 +17,6 @@ DESCRIPTION = (
     "robustness, the distance of its held-out score from the fit; per-domain bars with their "
     "intervals; and the corruption curves with mPC and rPC."
 )
-
-
-def write_report(
-    run_dirs: Sequence[str | os.PathLike],
-    out: str | os.PathLike,
-    scale: str = "logit",
-    title: str = DEFAULT_TITLE,
-) -> tuple[list[Run], list[Panel]]:
-    """Reads `run_dirs`, fits each shift on `scale` and writes the page to `out` atomically;
-    returns the runs and panels it shows. A directory that is no run raises runs.RunError."""
-    # matplotlib is imported when a page is drawn, not whenever `ood-jax` builds its parser.
-    from ood_jax.report import page
-
-    runs = read.read_runs(run_dirs)
-    panels = fit.panels(runs, scale)
-    files.write_atomic(out, page.render(runs, panels, title, scale))
-    return runs, panels
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -22,11 +22,11 @@ from typing import Any, Sequence  # noqa: E402
 from ood_jax import config_files, files, help_text, multihost  # noqa: E402
 from ood_jax.data import convert_cityscapes, convert_nuscenes  # noqa: E402
 from ood_jax.detection import compare as compare_detectors  # noqa: E402
-from ood_jax.eval import cli as eval_cli  # noqa: E402
+from ood_jax.cli import mine as mining_cli  # noqa: E402
+from ood_jax.cli import mllm as eval_cli  # noqa: E402
+from ood_jax.cli import report as report_cli  # noqa: E402
+from ood_jax.cli import stats as stats_cli  # noqa: E402
 from ood_jax.eval import compare as compare_cli  # noqa: E402
-from ood_jax.mining import cli as mining_cli  # noqa: E402
-from ood_jax.report import cli as report_cli  # noqa: E402
-from ood_jax.stats import cli as stats_cli  # noqa: E402
 
 
 def _read_json(path: str, what: str) -> Any:
