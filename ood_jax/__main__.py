@@ -1,14 +1,20 @@
-"""`ood-jax` and `python -m ood_jax`: restart under a malloc that keeps freed memory, then run
-the CLI.
+"""`ood-jax` and `python -m ood_jax`: set up the process, then run the command line.
 
-Kept apart from `ood_jax.cli` so the restart comes before the CLI's imports, and so importing
-the CLI (as tests do) never replaces the process.
+Kept apart from `ood_jax.cli` so that importing the CLI (as tests do) neither replaces the
+process nor changes its environment.
 """
+
+import os
 
 from ood_jax import malloc
 
 
 def main() -> None:
+    # TensorFlow (the data pipeline's) prints its oneDNN and CPU-feature notices at import,
+    # before any flag could silence them. The oneDNN kernels only change TF's own float ops,
+    # which here decode images. A user's own settings win.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
     malloc.restart_keeping_freed_memory()
     from ood_jax import cli
 

@@ -1,26 +1,9 @@
 """The one entry to our TFDS datasets: build them, load them, name their classes.
 
 This is the only module that imports `tfds_builders` (which registers the builders with TFDS);
-the builders in turn import only `ood_jax.data`, so there is no import circle. Everything else
-(the trainer, export, mining, the CLI) comes here for a dataset.
-
-    builder = datasets.build("counts", data_dir, source=SRC)      # -> prepared builder + .report
-    datasets.build("counts", data_dir, source=SRC, beam_runner="FlinkRunner", beam_options=FLAGS)
-    builder = datasets.load("synthetic_shifts/tiny", data_dir)    # prepared, or an error saying how
-    datasets.build("foci", data_dir, source=SRC, config="custom", custom_name="imagenet_v2")
-    builder = datasets.load("foci/imagenet_v2", data_dir)         # a custom set under its name
-    datasets.build("corrupted", data_dir, corruption={"dataset": "synthetic_shifts/tiny",
-                   "corruptions": "fog,snow", "severities": "1,3"})  # -> corrupted/<config>
-    names = datasets.class_names("counts", data_dir)              # detection label names
-    datasets.configs("foci")                                      # ("food101", "flowers102", ...)
-
-A build never reuses data it cannot vouch for. It writes into a staging directory beside the
-dataset (`DATA_DIR/NAME[/CONFIG]/incomplete.ood-jax-*`), stores its `BuildRecord` (source,
-digests, summary) in the finished dataset and only then moves it into place, so a reader sees
-the old dataset or the whole new one. A rebuild from the same source does nothing and returns
-the record; one from another source (or changed annotation files) is refused unless
-`overwrite`, which swaps the new dataset in and then deletes the old one. Partial builds left by
-a killed run are removed at the next build of the same dataset, saying so.
+the builders import only `ood_jax.data`, so there is no import circle, and everything else (the
+trainer, export, mining, the CLI) comes here for a dataset. A build never reuses data it cannot
+vouch for: it is staged beside the dataset with its `BuildRecord` and moved into place whole.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """glibc's malloc set to keep freed memory, for XLA:CPU's per-step buffers.
 
-XLA:CPU allocates a step's whole temporary buffer anew on every call (5.6 GB for a DINO train
-step at 320x320, batch 2) and frees it at the end. glibc serves anything above its mmap
-threshold (at most 32 MiB) with its own mmap and unmaps it on free, so each step faults its buffer in again, 4 KiB at a time: 1.3M page
-faults and seconds of kernel time per DINO step, more than the step's own arithmetic on two
-cores. Told never to mmap, never to trim and to keep one arena, glibc hands the same pages back
-on the next step instead; with transparent huge pages on request (`madvise` mode) it also asks
-for 2 MiB pages, so the first step faults 300x less.
-
-glibc reads these settings (`GLIBC_TUNABLES`) only when a process starts, so the `ood-jax`
-command and the benchmarks restart themselves once with them set (`restart_keeping_freed_memory`).
-The cost is that the process keeps its peak heap until it exits, as GPU allocators do.
-`OOD_JAX_MALLOC=system` keeps the process as started; a malloc in `LD_PRELOAD` (jemalloc,
-tcmalloc, mimalloc) is left alone, and so is a process that will compute on a GPU or TPU.
+glibc reads its settings (`GLIBC_TUNABLES`) only when a process starts, so the `ood-jax` command
+and the benchmarks restart themselves once with them set (`restart_keeping_freed_memory`): the
+process then keeps its peak heap until it exits, as GPU allocators do. `OOD_JAX_MALLOC=system`
+keeps the process as started; a malloc in `LD_PRELOAD` (jemalloc, tcmalloc, mimalloc) is left
+alone, and so is a process that will compute on a GPU or TPU.
 """
 
 from __future__ import annotations
@@ -31,6 +23,12 @@ TUNABLES_ENV = "GLIBC_TUNABLES"
 BEFORE_ENV = "OOD_JAX_GLIBC_TUNABLES_BEFORE"
 THP_MODE_FILE = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
+# XLA:CPU allocates a step's whole temporary buffer anew on every call (5.6 GB for a DINO train
+# step at 320x320, batch 2) and frees it at the end. glibc serves anything above its mmap
+# threshold (at most 32 MiB) with its own mmap and unmaps it on free, so each step faults its
+# buffer in again, 4 KiB at a time: 1.3M page faults and seconds of kernel time per DINO step,
+# more than the step's own arithmetic on two cores. Told never to mmap, never to trim and to keep
+# one arena, glibc hands the same pages back on the next step instead.
 KEEP_FREED = {
     "glibc.malloc.mmap_max": "0",
     # A size_t tunable: mallopt's int could not say more than 2 GiB, less than one DINO step.
@@ -39,6 +37,8 @@ KEEP_FREED = {
     # a DINO step still faulted 1.25M pages.
     "glibc.malloc.arena_max": "1",
 }
+# With transparent huge pages on request (`madvise` mode): 2 MiB pages, so the first step
+# faults 300x less.
 HUGE_PAGES = {"glibc.malloc.hugetlb": "1"}
 HUGE_PAGES_SINCE = (2, 35)
 ACCELERATOR_PLUGINS = ("jax-cuda", "jax-rocm", "libtpu")

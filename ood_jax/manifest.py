@@ -1,32 +1,9 @@
 """RUN_DIR/manifest.json: what a run was made with and what it spent, so a number can be traced.
 
-Every run directory gets one: training and evaluation workdirs (ood_jax.train.train), eval-mllm
-output directories (ood_jax.eval.runner) and mining outputs (ood_jax.mining.cli). `collect`
-gathers what every run shares, the caller adds what only it knows, and `write` / `finish` put it
-in place atomically (ood_jax.files):
-
-  kind, status     "running" while the run runs (a manifest still saying so after the process
-                   is gone is a run that was killed outright), then "complete", "incomplete"
-                   (finished with failed requests), "stopped" (a limit or a failure streak),
-                   "interrupted" (Ctrl-C) or "failed"; "reason" says why for the last three
-  started, ended   UTC, ISO 8601, and duration_s
-  ood_jax          version, the directory it is imported from and, where that is a git
-                   checkout, {"commit", "dirty"} (`git_state`); null otherwise: a wheel, a copy,
-                   a machine without git
-  host             hostname, platform, Python, CPU count
-  devices          jax's devices (platform, kinds, counts, processes) for runs that compute
-                   with jax; null for the others, which must not start a backend (an HTTP
-                   evaluation would take the GPU from the server it talks to)
-  packages         installed versions of jax, jaxlib, flax, numpy and what the run adds
-  ...              the caller's fields: dataset and a digest of what was read, model or
-                   checkpoint digest, prompt and parser versions, request options, totals.
-
-A resumed run writes its own manifest over the old one and keeps the old one's head (when, what
-status, which commit on which host, its totals) under "previous", so that a run directory
-continued by another commit says so.
-
-Nothing here imports more than the standard library and ood_jax.files at module level: collecting
-is cheap, and importing this module starts no jax backend.
+Every run directory gets one: training and evaluation workdirs, eval-mllm outputs and mining
+outputs. `collect` gathers what every run shares, the caller adds what only it knows, and
+`write` / `finish` put it in place atomically; a resumed run keeps the old manifest's head under
+"previous". Fields: docs/reference/manifest.md.
 """
 
 from __future__ import annotations
@@ -151,6 +128,8 @@ def host() -> dict:
 
 def jax_devices() -> dict:
     """The devices jax computes on; starts jax's backend if the run has not yet."""
+    # Imported here: importing this module starts no jax backend, so runs that do not compute
+    # with jax never start one (an HTTP evaluation would take the GPU from the server it talks to).
     import jax
 
     devices = jax.devices()

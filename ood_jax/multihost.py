@@ -1,22 +1,10 @@
 """Several processes, one job: joining it, noticing a lost process, and stopping for preemption.
 
-A job is joined (`initialize`) when the environment names one, as `ood-jax launch` and
-`launch/local.sh --processes N` do (`JAX_COORDINATOR_ADDRESS`, `OOD_JAX_NUM_PROCESSES`,
-`OOD_JAX_PROCESS_ID`), or when a config asks for it (`config.distributed`), in which case JAX
-finds the job in the cluster's own variables (SLURM, TPU pods, Open MPI, Kubernetes).
-
-JAX stops every process with a fatal error when the coordinator (process 0) is lost, but when
-another process dies the others see a failed collective at once, or nothing at all while they
-read data, and JAX's own heartbeat ends them only after its timeout, with a core dump. So each
-process beats in the coordinator's key-value store and watches the others' beats: a process
-silent for `OOD_JAX_LOST_AFTER_S` seconds (default 60) is named in one line by each of the
-others, which then exit with `LOST_EXIT_CODE`. The workdir keeps its newest checkpoint; the
-same command resumes from it.
-
-Preemption: SLURM and TPU maintenance send SIGTERM. With several processes, JAX's preemption
-sync point tells every process the same step at which to save (`preempted`); one process
-alone catches SIGTERM itself. Either way the run saves that step and exits with
-`PREEMPTED_EXIT_CODE`.
+A job is joined (`initialize`) when the environment names one, as `ood-jax launch` does, or when
+a config asks for it (`config.distributed`: JAX finds the job in the cluster's own variables).
+Each process beats in the coordinator's key-value store and watches the others' beats, so a lost
+process is named in one line and the others exit with `LOST_EXIT_CODE`; on SIGTERM every process
+saves the same step and exits with `PREEMPTED_EXIT_CODE` (docs/guide/multihost.md).
 """
 
 from __future__ import annotations
@@ -152,6 +140,9 @@ def _integer(name: str, minimum: int) -> int:
 # ------------------------------------------------------------------------------------------------
 # Lost processes.
 # ------------------------------------------------------------------------------------------------
+# JAX stops every process with a fatal error when the coordinator (process 0) is lost, but when
+# another process dies the others see a failed collective at once, or nothing at all while they
+# read data, and JAX's own heartbeat ends them only after its timeout, with a core dump.
 
 
 class _Watchdog(threading.Thread):
@@ -257,6 +248,8 @@ def stop_if_lost(error: BaseException) -> None:
 # ------------------------------------------------------------------------------------------------
 # Preemption.
 # ------------------------------------------------------------------------------------------------
+# SLURM and TPU maintenance send SIGTERM. With several processes, JAX's preemption sync point
+# tells every process the same step at which to save; one process alone catches SIGTERM itself.
 
 
 @contextlib.contextmanager

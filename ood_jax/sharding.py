@@ -1,16 +1,10 @@
 """The device mesh and how parameters and batches are laid out on it.
 
-A config declares the mesh once (`config.mesh`, axis name -> size, -1 for "the rest") and a list
-of regex partition rules (`config.partition_rules`, [(regex, strategy)]), matched in order
-against each parameter's path "a/b/kernel". Strategies:
-  * "replicate": a full copy on every device;
-  * "fsdp": the largest dimension divisible by the 'fsdp' axis size is split over it (ZeRO-3
-    style); parameters with no such dimension stay replicated.
-Batches are split along their leading dimension over every axis of the mesh, so 'fsdp' devices
-also share the data-parallel work: every host feeds its own rows (`start_global`, which also
-keeps host-only fields such as image ids on the host and transfers the next batch while the
-current step runs) and reads its rows of the outputs back (`to_host_local`). Where every process
-holds the whole input (mining's features), `from_host_copy` and `to_host` move it on and off.
+A config declares the mesh once (`config.mesh`) and regex partition rules for the parameters
+(`config.partition_rules`, `tree_shardings`). Batches are split along their leading dimension
+over every axis of the mesh: every host feeds its own rows (`start_global`) and reads its rows of
+the outputs back (`to_host_local`); where every process holds the whole input (mining's
+features), `from_host_copy` and `to_host` move it on and off.
 """
 
 from __future__ import annotations
@@ -83,7 +77,13 @@ def _fsdp_spec(shape: Sequence[int], axis_size: int) -> PartitionSpec:
 
 
 def tree_shardings(tree: Any, mesh: Mesh, rules: Sequence[tuple[str, str]]) -> Any:
-    """NamedShardings for every leaf of `tree` (arrays or ShapeDtypeStructs) by the first matching rule."""
+    """NamedShardings for every leaf of `tree` (arrays or ShapeDtypeStructs) by the first matching rule.
+
+    `rules` are [(regex, strategy)], matched in order against each parameter's path "a/b/kernel":
+    "replicate" keeps a full copy on every device; "fsdp" splits the largest dimension divisible
+    by the 'fsdp' axis size over it (ZeRO-3 style), and parameters with no such dimension stay
+    replicated.
+    """
     compiled = []
     for pattern, strategy in rules:
         if strategy not in STRATEGIES:

@@ -28,7 +28,7 @@ from test_lowering import FAMILIES, batch_spec, small_config
 from ood_jax import cli, datasets, sharding
 from ood_jax.data import pipeline
 from ood_jax.models import exported, focal_set_loss, load_exported, registry, set_loss
-from ood_jax.train import config_checks, train
+from ood_jax.train import config_checks, resume, train
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 6
@@ -255,8 +255,8 @@ def test_a_changed_dtype_resumes_and_says_so(tmp_path, capsys):
         def latest_step(self) -> int:
             return 2
 
-    (tmp_path / train.CONFIG_FILE).write_text(json.dumps(stored))
-    train.check_workdir_config(config, tmp_path, WithCheckpoints())
+    (tmp_path / resume.CONFIG_FILE).write_text(json.dumps(stored))
+    resume.check_workdir_config(config, tmp_path, WithCheckpoints())
     assert capsys.readouterr().out == f"Using {tmp_path}'s checkpoints with {note}\n"
     # A config.json from before the switch was float32.
     del stored["model"]["dtype"]

@@ -30,7 +30,7 @@ import pytest
 
 from ood_jax import cli, datasets
 from ood_jax.detection import evaluation
-from ood_jax.train import checkpoint, config_checks, train
+from ood_jax.train import checkpoint, config_checks, resume, train
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG_FILE = REPO / "configs" / "synthetic_detr.py"
@@ -123,20 +123,20 @@ def truncate_largest_array_file(workdir: pathlib.Path, step: int) -> pathlib.Pat
 
 
 def test_the_config_is_stored_in_the_workdir(run, data_dir):
-    stored = json.loads((run["workdir"] / train.CONFIG_FILE).read_text())
+    stored = json.loads((run["workdir"] / resume.CONFIG_FILE).read_text())
     assert config_checks.changed_fields(stored, smoke_config(data_dir)) == []
 
 
 @pytest.mark.parametrize("command", ["train", "evaluate"])
 def test_a_changed_model_field_is_refused_by_name(workdir, data_dir, command):
-    before = (workdir / train.CONFIG_FILE).read_text()
+    before = (workdir / resume.CONFIG_FILE).read_text()
     message = error_line(argv(command, workdir, data_dir, "--config.model.args.hidden_dim=64"))
     assert f"--workdir {workdir} holds checkpoints of another config" in message
     assert "(model.args.hidden_dim 32 -> 64)" in message
     assert "--config.allow_config_change=True" in message and "fresh --workdir" in message
     assert "strict" not in message
     assert checkpoint_steps(workdir) == CHECKPOINTS
-    assert (workdir / train.CONFIG_FILE).read_text() == before
+    assert (workdir / resume.CONFIG_FILE).read_text() == before
 
 
 def test_every_changed_field_is_named_with_old_and_new_values(workdir, data_dir):
@@ -286,7 +286,7 @@ def test_ctrl_c_before_the_first_checkpoint_says_none_was_kept(tmp_path):
     state = train.TrainState(
         step=jnp.zeros((), jnp.int32), params={"w": jnp.ones(3)}, model_state={}, opt_state=()
     )
-    message = train.keep_on_interrupt(ckpt, state, {}, tmp_path)
+    message = resume.keep_on_interrupt(ckpt, state, {}, tmp_path)
     assert message == (
         f"no checkpoint saved in {tmp_path} yet; rerun the same command to start again"
     )

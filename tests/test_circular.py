@@ -25,7 +25,7 @@ from test_eval_runner import SPLIT_LINES, foci_data, oodbench_data  # noqa: F401
 from ood_jax import cli, prompts
 from ood_jax.cli import mllm as eval_cli
 from ood_jax.eval import store
-from ood_jax.eval import compare, rescore, runner
+from ood_jax.eval import compare, job, rescore, runner
 from ood_jax.eval.clients import ImageInput
 from ood_jax.eval.tasks import Foci, FociScoring, ItemsError, OodBench, OodBenchScoring
 from ood_jax.eval.tasks import circular as circular_eval
@@ -332,7 +332,7 @@ def test_compare_pairs_two_circular_runs(tmp_path):
 
 
 def argv(out, *extra: str) -> list[str]:
-    # --endpoint only satisfies the parser: _make_client is replaced by a scripted client.
+    # --endpoint only satisfies the parser: job.make_client is replaced by a scripted client.
     return ["eval-mllm", "foci", "--data-dir", "unused", "--endpoint", "http://127.0.0.1:9/v1",
             "--model", "m", "--output", str(out), "--no-progress", *extra]  # fmt: skip
 
@@ -344,7 +344,7 @@ def text_cli(monkeypatch):
     monkeypatch.setattr(
         eval_cli.tasks, "make_benchmark", lambda *a, circular=None, **k: TextFoci(8, circular)
     )
-    monkeypatch.setattr(eval_cli, "_make_client", lambda args, max_tokens: client)
+    monkeypatch.setattr(job, "make_client", lambda *a, **k: client)
     return client
 
 

@@ -56,7 +56,7 @@ def test_coco_eval_names_bad_detection(case_files, tmp_path):
 
 def test_console_script_runs_demo():
     result = subprocess.run(
-        [sys.executable, "-m", "ood_jax.cli", "coco-demo", "--images", "30", "--categories", "3"],
+        [sys.executable, "-m", "ood_jax", "coco-demo", "--images", "30", "--categories", "3"],
         capture_output=True,
         text=True,
         check=True,
@@ -70,12 +70,14 @@ def test_detector_commands_have_help(command, capsys, monkeypatch):
     description (its variants) and top-level fields with their values."""
     repo = pathlib.Path(__file__).resolve().parents[1]
     monkeypatch.chdir(repo)
-    cli.main([command, "--help", "--config=configs/synthetic_detr.py:smoke"])
+    with pytest.raises(SystemExit) as stopped:
+        cli.main([command, "--help", "--config=configs/synthetic_detr.py:smoke"])
+    assert stopped.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"usage: ood-jax {command} --config=FILE[:variant] --workdir=DIR")
+    assert out.startswith(f"usage: ood-jax {command} [-h] --config FILE[:arg] --workdir DIR")
     for expected in (
         "--config.FIELD=VALUE",
-        f"example:\n  ood-jax {command} --config=",
+        f"\n  ood-jax {command} --config=",
         "configs/counts_dino_r50.py: DINO-4scale-R50 on COUNTS",
         "Variants (`:arg`): (none) the demo run; `smoke`",
         "  total_steps = 30\n",
@@ -88,7 +90,7 @@ def test_tensorflow_startup_notices_are_silenced():
     """TF prints oneDNN and CPU-feature notices at import; a command that loads TF (here the
     dataset registry, before its unknown-name error) prints only its own line."""
     result = subprocess.run(
-        [sys.executable, "-m", "ood_jax.cli", "build", "nope", "--data-dir", "/tmp/unused"],
+        [sys.executable, "-m", "ood_jax", "build", "nope", "--data-dir", "/tmp/unused"],
         capture_output=True,
         text=True,
         env={k: v for k, v in os.environ.items() if not k.startswith("TF_")},

@@ -1,4 +1,4 @@
-"""`ood-jax compare` (ood_jax.eval.compare) on run directories written here by hand: seeded
+"""`ood-jax compare` (ood_jax.eval.compare, ood_jax.cli.compare) on run directories written here by hand: seeded
 random answers, a few dozen items per group. Scores and intervals are checked against
 statsmodels (Clopper-Pearson and Wilson intervals, McNemar exact) and sklearn (accuracy, F1,
 MCC), the difference intervals and bootstrap p-values against a slow numpy loop replaying the
@@ -19,6 +19,7 @@ from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
 from statsmodels.stats.contingency_tables import mcnemar
 from statsmodels.stats.proportion import proportion_confint
 
+from ood_jax.cli import compare as compare_cli
 from ood_jax.eval import compare
 from ood_jax.eval.tasks.oodbench import bap_results, yes_no_results
 
@@ -496,7 +497,7 @@ def test_a_torn_last_line_is_noted_and_left_unrepaired(tmp_path):
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ood-jax")
-    compare.add_parsers(p.add_subparsers(dest="command", required=True))
+    compare_cli.add_compare(p.add_subparsers(dest="command", required=True))
     return p
 
 

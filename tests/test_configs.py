@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from ood_jax import cli
+from ood_jax import config_files
 from ood_jax.data import pipeline
 from ood_jax.models import registry
 
@@ -25,7 +25,7 @@ ROOT = pathlib.Path(__file__).parent.parent
     "spec", [f"{path}:{arg}" if arg else path for path, args in CONFIGS.items() for arg in args]
 )
 def test_config_loads_and_builds(spec):
-    config = cli._load_config(str(ROOT / spec))
+    config = config_files.load_spec(str(ROOT / spec))
     assert config.total_steps > 0 and config.checkpoint_every > 0
     # The pipeline validates its fields; an unknown or invalid one fails here, naming it.
     pipeline._checked(config.input)
@@ -44,4 +44,4 @@ def test_every_config_file_is_covered():
 
 def test_unknown_variant_names_it():
     with pytest.raises(ValueError, match="nope"):
-        cli._load_config(str(ROOT / "configs/synthetic_detr.py:nope"))
+        config_files.load_spec(str(ROOT / "configs/synthetic_detr.py:nope"))

@@ -7,7 +7,6 @@ output is read back with the oodbench source reader the builder and the miner us
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import pathlib
@@ -16,6 +15,7 @@ import pytest
 from cityscapesscripts.helpers import labels as cs_labels
 from PIL import Image
 
+from ood_jax import cli
 from ood_jax.data import building, conversion, convert_cityscapes, oodbench
 
 WIDTH, HEIGHT = 64, 32
@@ -275,12 +275,11 @@ def test_test_split_is_refused(root, tmp_path):
 
 
 def test_command_line(root, tmp_path, capsys):
-    parser = argparse.ArgumentParser(prog="ood-jax convert")
-    subparsers = parser.add_subparsers(dest="converter", required=True)
-    command = convert_cityscapes.add_parser(subparsers)
-    assert "ood-jax convert cityscapes --root" in command.format_help()
+    with pytest.raises(SystemExit):
+        cli.main(["convert", "cityscapes", "--help"])
+    assert "ood-jax convert cityscapes --root" in capsys.readouterr().out
     out = tmp_path / "out"
-    args = parser.parse_args(["cityscapes", "--root", str(root), "--out", str(out)])
+    args = cli.parse_args(["convert", "cityscapes", "--root", str(root), "--out", str(out)])
     assert args.split == "val"
     args.run(args)
     printed = capsys.readouterr().out

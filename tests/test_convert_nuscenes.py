@@ -10,7 +10,6 @@ labels; the bbox is checked against a pinhole projection written here with numpy
 
 from __future__ import annotations
 
-import argparse
 import collections
 import hashlib
 import json
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from ood_jax import cli
 from ood_jax.data import building, conversion, convert_nuscenes
 from ood_jax.data import oodbench as oodbench_source
 
@@ -476,10 +476,18 @@ def test_split_without_a_scene_in_the_tables_is_named(tmp_path):
 
 
 def test_cli_subcommand(dataroot, tmp_path, capsys):
-    parser = argparse.ArgumentParser()
-    convert_nuscenes.add_parser(parser.add_subparsers(dest="command", required=True))
+    parser = cli.build_parser()
     out = tmp_path / "out"
-    argv = ["nuscenes", "--dataroot", str(dataroot), "--version", VERSION, "--split", "mini_val"]
+    argv = [
+        "convert",
+        "nuscenes",
+        "--dataroot",
+        str(dataroot),
+        "--version",
+        VERSION,
+        "--split",
+        "mini_val",
+    ]
     args = parser.parse_args([*argv, "--out", str(out), "--visibility", "all"])
     args.run(args)
     printed = capsys.readouterr().out

@@ -22,7 +22,7 @@ from ood_jax import config_files, datasets, sharding
 from ood_jax.data import counts, corruptions
 from ood_jax.detection import corruption_eval, evaluation
 from ood_jax.metrics import robustness
-from ood_jax.train import evaluate_corrupted, train
+from ood_jax.train import evaluate_corrupted, resume, train
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG_FILE = REPO / "configs" / "synthetic_detr.py"
@@ -182,7 +182,9 @@ def test_scores_are_each_splits_own(run):
     clean one on the source dataset itself, a corrupted one on its own split."""
     config, summaries = run["config"], run["summaries"]
     experiment = train.setup(config, run["workdir"])
-    state = train.restore_newest(experiment, "evaluating step").state
+    state = resume.restore_newest(
+        experiment.checkpointer, experiment.abstract_state, "evaluating step"
+    ).state
     eval_input = _eval_input(config)
     builder = datasets.load(run["dataset"], config.dataset.data_dir)
 

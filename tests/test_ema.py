@@ -32,7 +32,7 @@ import test_checkpoint_recovery as recovery
 from ood_jax import cli, datasets, sharding
 from ood_jax.data import pipeline
 from ood_jax.models import load_exported
-from ood_jax.train import config_checks, export, optim, train
+from ood_jax.train import config_checks, export, optim, resume, train
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG_FILE = REPO / "configs" / "synthetic_detr.py"
@@ -210,7 +210,9 @@ def test_a_resumed_run_ends_with_the_uninterrupted_runs_average(run, data_dir, t
 def test_evaluation_and_export_use_the_average(run, data_dir, tmp_path):
     config = run["config"]
     experiment = train.setup(config, run["workdir"])
-    state = train.restore_newest(experiment, "evaluating step").state
+    state = resume.restore_newest(
+        experiment.checkpointer, experiment.abstract_state, "evaluating step"
+    ).state
     assert isinstance(state, train.EmaTrainState) and int(state.step) == STEPS
 
     eval_input = ml_collections.ConfigDict(config.input.to_dict())

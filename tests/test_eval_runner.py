@@ -26,7 +26,7 @@ from ood_jax import prompts
 from ood_jax.cli import mllm as eval_cli
 from ood_jax.eval import store
 from ood_jax.eval import results as run_results
-from ood_jax.eval import clip_baseline, runner, tasks
+from ood_jax.eval import clip_baseline, job, runner, tasks
 from ood_jax.eval.tasks.oodbench import bap_results, yes_no_results
 from ood_jax.eval.clients import OpenAIChatClient
 
@@ -963,14 +963,14 @@ class ScriptedClient:
 
 
 def _scripted_argv(items: pathlib.Path, out: pathlib.Path, *extra: str) -> list[str]:
-    # --endpoint only satisfies the parser: _make_client is replaced by the scripted client.
+    # --endpoint only satisfies the parser: job.make_client is replaced by the scripted client.
     return ["eval-mllm", "counts-oodg", "--items", str(items), "--endpoint",
             "http://127.0.0.1:9/v1", "--model", "m", "--output", str(out), "--no-progress",
             *extra]  # fmt: skip
 
 
 def _use_client(monkeypatch, client) -> None:
-    monkeypatch.setattr(eval_cli, "_make_client", lambda args, max_tokens: client)
+    monkeypatch.setattr(job, "make_client", lambda *a, **k: client)
 
 
 def test_limit_after_a_finished_run_writes_beside_it(tmp_path, monkeypatch, capsys):

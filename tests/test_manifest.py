@@ -20,13 +20,10 @@ from test_mining_foci import FakeScorer, _write_image
 
 from ood_jax import cli, datasets, manifest, prompts
 from ood_jax.cli import mllm as eval_cli
-from ood_jax.eval import store
-from ood_jax.eval import scheduling
-from ood_jax.eval import compare, parsing, runner, tasks
+from ood_jax.eval import compare, parsing, runner, scheduling, store, tasks
 from ood_jax.eval.clients import ClientError, OpenAIChatClient, Request
 from ood_jax.eval.tasks.base import Item
-from ood_jax.cli import mine as mining_cli
-from ood_jax.mining import foci
+from ood_jax.mining import foci, jobs
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 USAGE = {"prompt_tokens": 30, "completion_tokens": 2, "total_tokens": 32}
@@ -381,7 +378,7 @@ def test_mining_manifest_beside_its_output(tmp_path):
     out, cache = tmp_path / "mined" / "options.json", tmp_path / "cache"
     argv = ["--dataset", "custom", "--source", str(src), "--batch-size", "3", "--out", str(out),
             "--cache", str(cache)]  # fmt: skip
-    path = mining_cli.manifest_path(out)
+    path = jobs.manifest_path(out)
     assert path == tmp_path / "mined" / "options.manifest.json"
 
     with pytest.raises(KeyboardInterrupt):

@@ -1,17 +1,15 @@
-"""`mine oodbench-ablation`: four scorers, groups and the series against a numpy reference of the
+"""The oodbench-ablation job: four scorers, groups and the series against a numpy reference of the
 split rule, the consistency table against direct numpy, one encoding pass per scorer."""
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import numpy as np
 import pytest
 from test_mining_oodbench import CATEGORIES, FakeScorer, _coco_source, _reference_splits
 
-from ood_jax.cli import mine as mining_cli
-from ood_jax.mining import oodbench
+from ood_jax.mining import jobs, oodbench
 
 GROUPS = {"I": ("clip", "blip2"), "II": ("blip2", "groupvit"), "III": ("groupvit", "lit")}
 SERIES = ("clip", "blip2", "groupvit", "lit")
@@ -64,28 +62,28 @@ def _numpy_consistency(labels):
     return want
 
 
-def _run(argv, scorers):
-    parser = argparse.ArgumentParser()
-    mining_cli.add_parsers(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["mine", "oodbench-ablation", *argv, "--quiet"])
-    args.run(args, scorer_factory=lambda path: scorers[path])
+def _run(scorers, source, out, cache=None, **options):
+    job = jobs.OodbenchAblation(
+        source=str(source), out=str(out),
+        scoring=jobs.PairScoring(threshold=0.2, templates=("{}",), cache=cache),
+        encoding=jobs.Encoding(quiet=True), **options,
+    )  # fmt: skip
+    jobs.run_oodbench_ablation(job, scorer_factory=lambda path: scorers[path])
 
 
-def _argv(root, out, threshold=0.2):
-    argv = ["--source", str(root), "--out", str(out), "--templates", "{}"]
-    argv += ["--threshold", str(threshold)]
-    for name in SERIES:
-        argv += ["--scorer", f"{name}={name}"]
-    for name, members in GROUPS.items():
-        argv += ["--group", f"{name}={','.join(members)}"]
-    return [*argv, "--series", ",".join(SERIES)]
+def _paper(root, out, cache=None):
+    """The paper's ablation: Groups I-III and the series of four."""
+    return dict(
+        source=root, out=out, cache=cache, scorer=tuple((name, name) for name in SERIES),
+        group=tuple(GROUPS.items()), series=SERIES,
+    )  # fmt: skip
 
 
 def test_ablation_end_to_end_matches_numpy(tmp_path, capsys):
     root, out = tmp_path / "coco", tmp_path / "ablation"
     present = _coco_source(root)
     scorers = _scorers()
-    _run(_argv(root, out), scorers)
+    _run(scorers, **_paper(root, out))
     printed = capsys.readouterr().out
 
     pairs, scores, _, _ = _reference_splits(root, present, _scorers(), 0.2, None, 0)
@@ -125,7 +123,7 @@ def test_ablation_end_to_end_matches_numpy(tmp_path, capsys):
             assert got["sets"][s]["jaccard"] == pytest.approx(row[s])
     markdown = (out / "consistency.md").read_text()
     assert markdown in printed and "| group-I | group-II |" in markdown
-    assert mining_cli.manifest_path(out, directory=True).is_file()
+    assert jobs.manifest_path(out, directory=True).is_file()
 
 
 def test_consistency_of_hand_made_divisions():
@@ -151,23 +149,22 @@ def test_consistency_of_hand_made_divisions():
         oodbench.consistency({"a": labels["a"], "b": labels["b"][:3]})
 
 
-def test_flag_errors_name_the_flag(tmp_path):
+def test_errors_name_the_flag(tmp_path):
     root = tmp_path / "coco"
     _coco_source(root, num_images=4)
-    base = ["--source", str(root), "--out", str(tmp_path / "o"), "--scorer", "clip=clip"]
+    clip = ("clip", "clip")
     cases = [
-        ([], "give at least one --group or a --series"),
-        (["--group", "I=clip,blip2"], r"--group I: blip2 is not a --scorer NAME"),
-        (["--series", "clip,clip"], r"--series: a scorer is repeated"),
-        (["--scorer", "lit=lit", "--series", "clip"], r"--scorer lit: in no --group or --series"),
-        (["--scorer", "clip=x", "--series", "clip"], r"--scorer clip is given twice"),
-        (["--group", "I=clip", "--group", "I=clip"], r"--group I is given twice"),
+        ({}, "give at least one --group or a --series"),
+        ({"group": (("I", ("clip", "blip2")),)}, r"--group I: blip2 is not a --scorer NAME"),
+        ({"series": ("clip", "clip")}, r"--series: a scorer is repeated"),
+        ({"scorer": (clip, ("lit", "lit")), "series": ("clip",)}, r"--scorer lit: in no --group"),
+        ({"scorer": (clip, ("clip", "x")), "series": ("clip",)}, r"--scorer clip is given twice"),
+        ({"group": (("I", ("clip",)), ("I", ("clip",)))}, r"--group I is given twice"),
     ]
-    for extra, message in cases:
-        with pytest.raises(SystemExit, match=message):
-            _run([*base, *extra], {"clip": FakeScorer("clip", "a", 30.0, None)})
-    with pytest.raises(SystemExit):  # argparse: "argument --group: 'I': expected NAME=VALUE"
-        _run([*base, "--group", "I"], {})
+    scorers = {"clip": FakeScorer("clip", "a", 30.0, None)}
+    for options, message in cases:
+        with pytest.raises(ValueError, match=message):
+            _run(scorers, root, tmp_path / "o", **{"scorer": (clip,), **options})
     assert not (tmp_path / "o").exists()
 
 
@@ -177,11 +174,11 @@ def test_cache_rerun_encodes_nothing(tmp_path):
     first = _scorers()
     for name, scorer in first.items():
         scorer.identity = {"name": name}  # what EmbeddingCache keys a scorer's features by
-    _run([*_argv(root, tmp_path / "a"), "--cache", str(cache)], first)
+    _run(first, **_paper(root, tmp_path / "a", str(cache)))
     again = _scorers()
     for name, scorer in again.items():
         scorer.identity = {"name": name}
-    _run([*_argv(root, tmp_path / "b"), "--cache", str(cache)], again)
+    _run(again, **_paper(root, tmp_path / "b", str(cache)))
     assert all(s.images_encoded > 0 for s in first.values())
     assert all(s.images_encoded == 0 for s in again.values())
     # Each scorer keeps its own cache, under its --scorer NAME.

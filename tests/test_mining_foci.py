@@ -1,8 +1,7 @@
-"""FOCI hard-choice mining against a plain-numpy ranking, and `ood-jax mine foci` -> foci builder."""
+"""FOCI hard-choice mining against a plain-numpy ranking, and the foci job -> foci builder."""
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import pathlib
@@ -14,8 +13,7 @@ from PIL import Image
 
 from ood_jax import mining
 from ood_jax import datasets
-from ood_jax.cli import mine as mining_cli
-from ood_jax.mining import foci
+from ood_jax.mining import foci, jobs
 
 
 def reference_options(images, texts, labels, num_options=4):
@@ -166,7 +164,7 @@ def test_map_rows_in_chunks_handles_empty_and_mismatched_rows():
 
 
 # ---------------------------------------------------------------------------------------------
-# `ood-jax mine foci` -> options file -> foci builder
+# The `mine foci` job -> options file -> foci builder
 # ---------------------------------------------------------------------------------------------
 
 
@@ -210,11 +208,9 @@ def _write_image(path: pathlib.Path, seed: int) -> np.ndarray:
     return pixels
 
 
-def _run(argv: list[str], scorer: FakeScorer) -> None:
-    parser = argparse.ArgumentParser()
-    mining_cli.add_parsers(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["mine", "foci", *argv, "--scorer", "fake", "--quiet"])
-    args.run(args, scorer_factory=lambda path: scorer)
+def _run(scorer: FakeScorer, batch_size: int = 256, **options) -> None:
+    job = jobs.FociMining(scorer="fake", encoding=jobs.Encoding(batch_size, quiet=True), **options)
+    jobs.run_foci(job, scorer_factory=lambda path: scorer)
 
 
 def _expected(scorer, root, images, labels, class_names, templates):
@@ -247,7 +243,7 @@ def test_mine_custom_folders_round_trip_through_the_builder(tmp_path):
     (src / "class_names.json").write_text(json.dumps(folders))
     scorer = FakeScorer()
     templates = ["a photo of a {}", "an image of a {}"]
-    _run(["--dataset", "custom", "--data-dir", str(src), "--templates", *templates], scorer)
+    _run(scorer, dataset="custom", source=str(src), templates=tuple(templates))
     assert scorer.texts_seen[0][:2] == ["a photo of a snow leopard", "an image of a snow leopard"]
 
     written = json.loads((src / "options.json").read_text())
@@ -278,7 +274,7 @@ def test_mine_a_release_split_round_trip(tmp_path):
     for k, entry in enumerate(e for c in raw for e in entries[c]):
         _write_image(src / "images" / f"{entry}.jpg", k)  # PNG bytes under .jpg: PIL reads them
     scorer = FakeScorer()
-    _run(["--dataset", "foci/food101", "--source", str(src)], scorer)
+    _run(scorer, dataset="foci/food101", source=str(src))
     assert scorer.texts_seen[0][0] == "an image of a apple pie"  # FOCI's template, literally
 
     images = sorted(f"images/{e}.jpg" for c in raw for e in entries[c])
@@ -297,13 +293,13 @@ def test_mine_a_release_split_round_trip(tmp_path):
 def test_imagenet_folders_need_class_names(tmp_path, capsys):
     src = tmp_path / "in21k"
     _write_image(src / "images" / "n01322508" / "a.JPEG", 0)
-    with pytest.raises(SystemExit, match=r"class_names\.json: file not found"):
-        _run(["--dataset", "imagenet21k_animal", "--source", str(src)], FakeScorer())
+    with pytest.raises(ValueError, match=r"class_names\.json: file not found"):
+        _run(FakeScorer(), dataset="imagenet21k_animal", source=str(src))
     (src / "class_names.json").write_text(json.dumps({"n0000": "x"}))
-    with pytest.raises(SystemExit, match=r"no class name for folder 'n01322508'"):
-        _run(["--dataset", "imagenet21k_animal", "--source", str(src)], FakeScorer())
-    with pytest.raises(SystemExit, match=r"unknown FOCI config 'imagenet'"):
-        _run(["--dataset", "imagenet", "--source", str(src)], FakeScorer())
+    with pytest.raises(ValueError, match=r"no class name for folder 'n01322508'"):
+        _run(FakeScorer(), dataset="imagenet21k_animal", source=str(src))
+    with pytest.raises(ValueError, match=r"unknown FOCI config 'imagenet'"):
+        _run(FakeScorer(), dataset="imagenet", source=str(src))
 
 
 def test_unreadable_image_is_named(tmp_path):
@@ -311,20 +307,20 @@ def test_unreadable_image_is_named(tmp_path):
     for k, folder in enumerate(["a", "b", "c", "d"]):
         _write_image(src / "images" / folder / "0.png", k)
     (src / "images" / "c" / "0.png").write_bytes(b"not a png")
-    with pytest.raises(SystemExit, match=r"images/c/0\.png: corrupt or unreadable image"):
-        _run(["--dataset", "custom", "--source", str(src)], FakeScorer())
+    with pytest.raises(ValueError, match=r"images/c/0\.png: corrupt or unreadable image"):
+        _run(FakeScorer(), dataset="custom", source=str(src))
 
 
 def test_killed_mining_resumes_from_its_cache(tmp_path):
     src = tmp_path / "src"
     for k in range(10):
         _write_image(src / "images" / f"c{k % 5}" / f"{k:03d}.png", k)
-    argv = ["--dataset", "custom", "--source", str(src), "--batch-size", "3"]
-    _run([*argv, "--out", str(tmp_path / "plain.json")], FakeScorer())
+    given = dict(dataset="custom", source=str(src), batch_size=3)
+    _run(FakeScorer(), **given, out=str(tmp_path / "plain.json"))
 
-    cache = ["--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "cached.json")]
+    cache = dict(cache=str(tmp_path / "cache"), out=str(tmp_path / "cached.json"))
     with pytest.raises(KeyboardInterrupt) as interrupt:
-        _run([*argv, *cache], FakeScorer(fail_after_batches=2))
+        _run(FakeScorer(fail_after_batches=2), **given, **cache)
     # The one line ood_jax.cli prints says what was kept and how to continue.
     assert str(interrupt.value) == (
         f"image features computed so far are kept in {tmp_path / 'cache'}; "
@@ -332,11 +328,11 @@ def test_killed_mining_resumes_from_its_cache(tmp_path):
     )
     assert not (tmp_path / "cached.json").exists()
     resumed = FakeScorer()
-    _run([*argv, *cache], resumed)
+    _run(resumed, **given, **cache)
     # Two shards of 3 were finished before the kill; only the other 4 images are encoded again.
     assert resumed.images_encoded == 4
     assert (tmp_path / "cached.json").read_text() == (tmp_path / "plain.json").read_text()
 
     other = FakeScorer(dim=8)
-    with pytest.raises(SystemExit, match="identity|another|scorer"):
-        _run([*argv, *cache], other)
+    with pytest.raises(ValueError, match="identity|another|scorer"):
+        _run(other, **given, **cache)

@@ -1,15 +1,15 @@
-"""`ood-jax mine foci` on FOCI's appendix D sets with a tiny random CLIP, against transformers'
+"""The `mine foci` job on FOCI's appendix D sets with a tiny random CLIP, against transformers'
 features ranked by the numpy rule, and the mined file built into every split of the set."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
+import torch
 import transformers
 from PIL import Image
 from test_mining_foci import reference_options
@@ -17,8 +17,7 @@ from test_scorers import IMAGE_SIZE, TEXT_LEN, clip_config, normalized, save_cli
 
 from ood_jax import datasets, scorers
 from ood_jax.data import foci as foci_source
-from ood_jax.cli import mine as mining_cli
-from ood_jax.mining import foci
+from ood_jax.mining import foci, jobs
 
 # Names of letters the tiny tokenizer knows, so every class has text features of its own; their
 # sorted order is the reverse of the class-index order, which FOCI's ImageNet files follow.
@@ -101,6 +100,9 @@ def ranked_classes(config: str) -> list[str]:
 def clip(tmp_path_factory):
     """(checkpoint dir, transformers model, our scorer loaded once for every run)."""
     path = tmp_path_factory.mktemp("clip") / "tiny"
+    # CLIPModel draws its initial weights from torch's global generator: seeded, the model does
+    # not depend on which tests ran before.
+    torch.manual_seed(0)
     model = save_clip(path, clip_config())
     return path, model, scorers.from_hf(path)
 
@@ -131,12 +133,11 @@ def torch_options(path, model, src, labels: dict[str, str], classes: list[str]) 
 
 
 def _mine(config: str, src: pathlib.Path, checkpoint: pathlib.Path, scorer) -> None:
-    parser = argparse.ArgumentParser()
-    mining_cli.add_parsers(parser.add_subparsers(dest="command"))
-    argv = ["mine", "foci", "--dataset", config, "--source", str(src), "--scorer", str(checkpoint)]
-    args = parser.parse_args([*argv, "--quiet"])
-    # The CLI asks for the --scorer path; the scorer loaded from it once serves every run.
-    args.run(args, scorer_factory={str(checkpoint): scorer}.__getitem__)
+    job = jobs.FociMining(
+        dataset=config, source=str(src), scorer=str(checkpoint), encoding=jobs.Encoding(quiet=True)
+    )
+    # The job asks for its scorer's path; the scorer loaded from it once serves every run.
+    jobs.run_foci(job, scorer_factory={str(checkpoint): scorer}.__getitem__)
 
 
 def _splits(data_dir: pathlib.Path, config: str) -> dict[str, dict[str, dict]]:

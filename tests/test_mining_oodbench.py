@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import collections
 import hashlib
 import json
@@ -16,8 +15,7 @@ from PIL import Image
 from scipy import special
 
 from ood_jax import datasets
-from ood_jax.cli import mine as mining_cli
-from ood_jax.mining import oodbench
+from ood_jax.mining import jobs, oodbench
 
 _TEXT = dict(
     vocab_size=64, hidden_size=32, intermediate_size=37, num_hidden_layers=1,
@@ -181,7 +179,7 @@ def test_sampling_excludes_ood_and_is_seeded():
 
 
 # ---------------------------------------------------------------------------------------------
-# `ood-jax mine oodbench` -> splits.jsonl -> oodbench builder
+# The `mine oodbench` job -> splits.jsonl -> oodbench builder
 # ---------------------------------------------------------------------------------------------
 
 CATEGORIES = {1: "cat", 2: "dog", 3: "traffic_light", 4: "zebra", 5: "person", 6: "kite"}
@@ -257,11 +255,9 @@ def _reference_splits(root, present, scorers, threshold, cap, seed):
     return pairs, scores, labels, kept
 
 
-def _run(argv, scorers):
-    parser = argparse.ArgumentParser()
-    mining_cli.add_parsers(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["mine", "oodbench", *argv, "--quiet"])
-    args.run(args, scorer_factory=lambda path: scorers[path])
+def _run(scorers, scoring=jobs.PairScoring(), **options):
+    job = jobs.OodbenchMining(scoring=scoring, encoding=jobs.Encoding(quiet=True), **options)
+    jobs.run_oodbench(job, scorer_factory=lambda path: scorers[path])
 
 
 def test_mine_oodbench_round_trip_through_the_builder(tmp_path, capsys):
@@ -271,9 +267,8 @@ def test_mine_oodbench_round_trip_through_the_builder(tmp_path, capsys):
         "clip": FakeScorer("clip", "a", 30.0, None),
         "siglip": FakeScorer("siglip", "b", 10.0, -2.0),
     }
-    argv = ["--source", str(root), "--scorer", "clip", "--scorer", "siglip"]
-    argv += ["--threshold", "0.2", "--max-per-split", "12", "--seed", "3", "--templates", "{}"]
-    _run(argv, scorers)
+    scoring = jobs.PairScoring(threshold=0.2, templates=("{}",))
+    _run(scorers, scoring, source=str(root), scorer=("clip", "siglip"), max_per_split=12, seed=3)
     printed = capsys.readouterr().out
     pairs, scores, labels, kept = _reference_splits(root, present, scorers, 0.2, 12, 3)
     lines = [json.loads(line) for line in (root / "splits.jsonl").read_text().splitlines()]
@@ -313,15 +308,10 @@ def test_default_template_and_bad_scorer_kind(tmp_path):
     root = tmp_path / "coco"
     _coco_source(root, num_images=6)
     clip = FakeScorer("clip", "a", 30.0, None)
-    _run(
-        ["--source", str(root), "--scorer", "clip", "--out", str(tmp_path / "s.jsonl")],
-        {"clip": clip},
-    )
+    _run({"clip": clip}, source=str(root), scorer=("clip",), out=str(tmp_path / "s.jsonl"))
     assert clip.templates == oodbench.DEFAULT_TEMPLATES
     assert (tmp_path / "s.jsonl").is_file() and not (root / "splits.jsonl").exists()
-    with pytest.raises(SystemExit, match=r"scorer kind 'flamingo'"):
-        _run(
-            ["--source", str(root), "--scorer", "x"], {"x": FakeScorer("flamingo", "a", 1.0, None)}
-        )
-    with pytest.raises(SystemExit, match=r"annotations\.json: file not found"):
-        _run(["--source", str(tmp_path), "--scorer", "clip"], {"clip": clip})
+    with pytest.raises(ValueError, match=r"scorer kind 'flamingo'"):
+        _run({"x": FakeScorer("flamingo", "a", 1.0, None)}, source=str(root), scorer=("x",))
+    with pytest.raises(ValueError, match=r"annotations\.json: file not found"):
+        _run({"clip": clip}, source=str(tmp_path), scorer=("clip",))

@@ -1,9 +1,8 @@
-"""`ood-jax mine oodg` on synthetic_shifts/tiny: the items schema, each setting's example rule
+"""The `mine oodg` job on synthetic_shifts/tiny: the items schema, each setting's example rule
 (checked on the written files), the drawn boxes (pixels of the PNGs) and reproducibility."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import re
@@ -16,8 +15,7 @@ from PIL import Image
 from ood_jax import datasets
 from ood_jax.data import counts
 from ood_jax import prompts
-from ood_jax.cli import mine as mining_cli
-from ood_jax.mining import oodg
+from ood_jax.mining import jobs, oodg
 
 KEYS = {
     "id", "task", "setting", "domain", "size", "prompt", "images", "options", "answer",
@@ -39,13 +37,13 @@ RUNS = {
 COLORS = {"blue": (0, 0, 255), "red": (255, 0, 0), "yellow": (255, 255, 0), "green": (0, 255, 0)}
 
 
-def _run(data_dir: pathlib.Path, out: pathlib.Path, task, setting, ice, items, *extra) -> None:
-    parser = argparse.ArgumentParser()
-    mining_cli.add_parsers(parser.add_subparsers(dest="command"))
-    argv = ["mine", "oodg", "--dataset", "synthetic_shifts/tiny", "--data-dir", str(data_dir)]
-    argv += ["--task", task, "--setting", setting, "--ice", str(ice), "--num-items", str(items)]
-    args = parser.parse_args([*argv, "--out", str(out), *extra])
-    args.run(args)
+def _run(data_dir: pathlib.Path, out: pathlib.Path, task, setting, ice, items, **options) -> None:
+    jobs.run_oodg(
+        jobs.OodgMining(
+            dataset="synthetic_shifts/tiny", data_dir=str(data_dir), task=task, setting=setting,
+            ice=ice, num_items=items, out=str(out), **options,
+        )
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -269,33 +267,33 @@ def test_same_arguments_give_identical_files(mined, tmp_path):
     files = sorted(p.relative_to(first) for p in first.rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
     assert all((first / f).read_bytes() == (again / f).read_bytes() for f in files)
-    _run(mined / "tfds", tmp_path / "seeded", *RUNS["grounding_spurious"], "--seed", "1")
+    _run(mined / "tfds", tmp_path / "seeded", *RUNS["grounding_spurious"], seed=1)
     assert _items(tmp_path, "seeded") != _items(mined, "grounding_spurious")
 
 
 def test_example_split_and_domains_options(mined, tmp_path):
     out = tmp_path / "cross"
-    _run(mined / "tfds", out, "grounding", "iid", 1, 5, "--ice-split", "train", "--domains", "dim")
+    _run(mined / "tfds", out, "grounding", "iid", 1, 5, ice_split="train", domains=("dim",))
     for item in json.loads("[" + ",".join((out / "items.jsonl").read_text().splitlines()) + "]"):
         assert item["domain"] == "dim"
         assert _unit(item["images"][0])[0][0] == "train_dim"
 
 
 @pytest.mark.parametrize(
-    "args, message",
+    "args, options, message",
     [
-        (("grounding", "zero_shot", 2, 3), r"zero_shot takes 0"),
-        (("grounding", "iid", 0, 3), r"the other settings at least 1"),
-        (("mapping", "label_shift", 4, 3), r"no item could be built"),
-        (("grounding", "iid", 1, 3, "--split", "val"), r"no split val_"),
-        (("grounding", "iid", 1, 3, "--domains", "moon"), r"unknown domain 'moon'"),
+        (("grounding", "zero_shot", 2, 3), {}, r"zero_shot takes 0"),
+        (("grounding", "iid", 0, 3), {}, r"the other settings at least 1"),
+        (("mapping", "label_shift", 4, 3), {}, r"no item could be built"),
+        (("grounding", "iid", 1, 3), {"split": "val"}, r"no split val_"),
+        (("grounding", "iid", 1, 3), {"domains": ("moon",)}, r"unknown domain 'moon'"),
     ],
 )
-def test_impossible_requests_fail_clearly(mined, tmp_path, args, message):
-    with pytest.raises(SystemExit, match=message):
-        _run(mined / "tfds", tmp_path / "x", *args)
+def test_impossible_requests_fail_clearly(mined, tmp_path, args, options, message):
+    with pytest.raises(ValueError, match=message):
+        _run(mined / "tfds", tmp_path / "x", *args, **options)
 
 
 def test_unbuilt_dataset_is_named(tmp_path):
-    with pytest.raises(SystemExit, match=r"synthetic_shifts/tiny is not built"):
+    with pytest.raises(ValueError, match=r"synthetic_shifts/tiny is not built"):
         _run(tmp_path, tmp_path / "x", "grounding", "zero_shot", 0, 1)

@@ -10,7 +10,6 @@ and the references can take transformers' processors' pixels.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import shutil
@@ -31,7 +30,8 @@ from test_lit import wordpiece_reference
 from test_mining_ablation import GROUPS, SERIES, _numpy_labels
 from test_scorers import IMAGE_SIZE, clip_config, perturbed, save_clip
 
-from ood_jax.cli import mine as mining_cli
+from ood_jax.mining import jobs
+
 
 CATEGORIES = {1: "cat", 2: "dog", 3: "traffic_light", 4: "zebra", 5: "person", 6: "kite"}
 NAMES = {name: category_id for category_id, name in CATEGORIES.items()}
@@ -133,18 +133,16 @@ def test_ablation_with_four_real_scorers_matches_numpy(tmp_path, checkpoints, ca
         want[name] = special.softmax(logits, axis=1)[rows, columns]
     threshold = _threshold(want)
 
-    argv = ["--source", str(tmp_path / "coco"), "--out", str(tmp_path / "out")]
-    argv += ["--threshold", str(threshold), "--templates", TEMPLATE, "--quiet"]
-    argv += ["--logit-scale", f"blip2={BLIP2_SCALE}", "--batch-size", "4"]
-    for name in checkpoints:
-        argv += ["--scorer", f"{name}={checkpoints[name][0]}"]
-    argv += ["--series", ",".join(SERIES)]
-    for group, members in GROUPS.items():
-        argv += ["--group", f"{group}={','.join(members)}"]
-    parser = argparse.ArgumentParser()
-    mining_cli.add_parsers(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["mine", "oodbench-ablation", *argv])
-    args.run(args)
+    scoring = jobs.PairScoring(
+        threshold=threshold, templates=(TEMPLATE,), logit_scale=(("blip2", BLIP2_SCALE),)
+    )
+    job = jobs.OodbenchAblation(
+        source=str(tmp_path / "coco"), out=str(tmp_path / "out"),
+        scorer=tuple((name, str(path)) for name, (path, _) in checkpoints.items()),
+        group=tuple(GROUPS.items()), series=SERIES, scoring=scoring,
+        encoding=jobs.Encoding(batch_size=4, quiet=True),
+    )  # fmt: skip
+    jobs.run_oodbench_ablation(job)  # the scorers from their directories, as the command loads them
     capsys.readouterr()
 
     divisions = {f"series-{k}": SERIES[:k] for k in range(1, len(SERIES) + 1)}
@@ -175,13 +173,13 @@ def test_blip2_matching_head_scores_pairs(tmp_path, checkpoints, capsys) -> None
     pairs = _source(tmp_path / "coco", num_images=5)
     path, model = checkpoints["blip2"]
     templates = ["a photo of a {}.", "{}"]
-    argv = ["mine", "oodbench", "--source", str(tmp_path / "coco"), "--scorer", str(path)]
-    argv += ["--match", "blip2", "--templates", *templates, "--quiet", "--batch-size", "2"]
-    argv += ["--out", str(tmp_path / "splits.jsonl"), "--max-per-split", "0"]
-    parser = argparse.ArgumentParser()
-    mining_cli.add_parsers(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(argv)
-    args.run(args)
+    job = jobs.OodbenchMining(
+        source=str(tmp_path / "coco"), scorer=(str(path),), max_per_split=0,
+        out=str(tmp_path / "splits.jsonl"),
+        scoring=jobs.PairScoring(match=("blip2",), templates=tuple(templates)),
+        encoding=jobs.Encoding(batch_size=2, quiet=True),
+    )  # fmt: skip
+    jobs.run_oodbench(job)
     capsys.readouterr()
     lines = (tmp_path / "splits.jsonl").read_text().splitlines()
     got = {
@@ -204,13 +202,14 @@ def test_blip2_from_a_lavis_checkpoint_with_its_temperature(tmp_path, checkpoint
     path, model = checkpoints["blip2"]
     lavis = {k: torch.as_tensor(v) for k, v in lavis_state_dict(model).items()}
     torch.save({"model": lavis}, tmp_path / "blip2_pretrained.pth")
-    argv = ["mine", "oodbench", "--source", str(tmp_path / "coco"), "--scorer", str(path)]
-    argv += ["--lavis", f"blip2={tmp_path / 'blip2_pretrained.pth'}", "--quiet"]
-    argv += ["--templates", TEMPLATE, "--out", str(tmp_path / "splits.jsonl")]
-    parser = argparse.ArgumentParser()
-    mining_cli.add_parsers(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(argv)
-    args.run(args)
+    scoring = jobs.PairScoring(
+        lavis=(("blip2", str(tmp_path / "blip2_pretrained.pth")),), templates=(TEMPLATE,)
+    )
+    job = jobs.OodbenchMining(
+        source=str(tmp_path / "coco"), scorer=(str(path),), out=str(tmp_path / "splits.jsonl"),
+        scoring=scoring, encoding=jobs.Encoding(quiet=True),
+    )  # fmt: skip
+    jobs.run_oodbench(job)
     capsys.readouterr()
 
     reference = copy.deepcopy(model)

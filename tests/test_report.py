@@ -89,7 +89,7 @@ def write_detector(directory: pathlib.Path, name: str, kept_in: float, kept_out:
     held_out = {d: evaluated[d] for d in HELD_OUT}
     summary = evaluation.summarize(100, evaluated["iid"], held_out, resamples=20)
     evaluation.write_results(directory, summary, name)
-    # What ood_jax.train.train.start_manifest records of the config and the data.
+    # What ood_jax.train.run_manifest.start records of the config and the data.
     about = manifest.collect(
         "evaluate",
         config={"model_name": name, "model": name.split("_")[0]},

@@ -317,7 +317,7 @@ def test_killed_and_restarted_run_ends_like_an_uninterrupted_one(
     command = [
         sys.executable,
         "-m",
-        "ood_jax.cli",
+        "ood_jax",
         *train_argv(workdir, data_dir, total_steps=RUN_A_STEPS, checkpoint_every=2, log_every=1),
     ]
     env = child_env(compile_cache)
@@ -356,7 +356,7 @@ def test_sigterm_saves_the_step_it_reached_and_says_so(tmp_path, data_dir, compi
     from ood_jax import multihost
 
     workdir = tmp_path / "preempted"
-    command = [sys.executable, "-m", "ood_jax.cli", *train_argv(workdir, data_dir, log_every=1)]
+    command = [sys.executable, "-m", "ood_jax", *train_argv(workdir, data_dir, log_every=1)]
     child = subprocess.Popen(
         command,
         env=child_env(compile_cache),

@@ -1,42 +1,19 @@
-"""`ood-jax eval-mllm` (MLLM evaluation, resumable), `ood-jax rescore` (its results again from the
-stored replies) and FOCI's `ood-jax stats clip-conditional`.
-
-`add_parsers(subparsers)` adds `eval-mllm` to the `ood-jax` parser: a task of ood_jax.eval.tasks,
-asked through a client of ood_jax.eval.clients by ood_jax.eval.runner (or answered by
-ood_jax.eval.clip_baseline with --clip), with a judge of ood_jax.eval.judge for --parse-mode
-judge; and `rescore`, which re-scores a run directory by ood_jax.eval.rescore, sending nothing.
-`add_stats_parsers(commands)` adds `clip-conditional`
-to the checks of `ood-jax stats` (ood_jax.stats.cli), since it reads eval-mllm run directories.
-Each subcommand's `run` takes the parsed arguments.
-
-eval-mllm's exit status says how the run went (EXIT_CODES, also in its --help): 0 only when every
-item of the run has a reply; EXIT_INCOMPLETE when some requests failed for good (rerun to retry
-them); EXIT_STOPPED when the run stopped early because items in a row failed the same way, or a
-limit of --max-requests / --max-cost was reached.
-"""
+"""`ood-jax eval-mllm`, `rescore` and `merge`: their flags, read into ood_jax.eval.job's option
+records (eval-mllm) or the arguments of ood_jax.eval.rescore and shards (rescore, merge), and what
+each prints and exits with (EXIT_CODES)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import pathlib
 import sys
 
-import jax
+from ood_jax.cli import help_text
+from ood_jax.eval import accounting, clients, clip_baseline, interleaving, job, judge, rescore
+from ood_jax.eval import scheduling, shards, store, tasks
 
-from ood_jax import help_text, multihost
-from ood_jax.eval import accounting, clients, interleaving, judge, probe, rescore, runner
-from ood_jax.eval import replicas, scheduling, shards, store, tasks
-from ood_jax.eval.tasks import corrupted, foci, oodbench
-from ood_jax.metrics import robustness
-from ood_jax.cli import stats as stats_cli
-
-
-# The tasks whose items `--corrupted` asks over a corrupted dataset.
-_CORRUPTED = ("foci", "oodbench")
 EXIT_INCOMPLETE = 3
-PARTS_DIR = "parts"  # OUTPUT/parts/I: process I's part of a job of several processes
 EXIT_STOPPED = 4
 EXIT_CODES = (
     "exit status:\n"
@@ -88,64 +65,81 @@ def add_parsers(subparsers) -> None:
     _add_merge(subparsers)
 
 
+def _fail(message: str) -> SystemExit:
+    return SystemExit(f"error: {message}")
+
+
 # ---------------------------------------------------------------------------------------------
-# eval-mllm
+# eval-mllm: the flags
 # ---------------------------------------------------------------------------------------------
+
+_EVAL_DESCRIPTION = (
+    "Asks a model every item of a benchmark and writes OUTPUT/predictions.jsonl (one line "
+    "per item, appended as replies arrive), results.json and results.md. Rerunning into "
+    "the same OUTPUT sends only the items still without a reply; Ctrl-C keeps the "
+    "replies received. --limit N writes results.limitN.json and results.limitN.md "
+    "beside the full results, never over them. With --endpoint, GET {endpoint}/models "
+    "must list --model first; each prediction keeps the reply's finish reason, refusal, "
+    "reasoning, token usage, latency and attempts, and the results count replies "
+    "answered, truncated, refused, empty and failed. A run stops early when "
+    "--max-consecutive-failures items in a row fail the same way; the exit status says "
+    "how it went. Replies are read under --parse-mode, which is not part of the run's "
+    "identity: a rerun with another mode, or `ood-jax rescore OUTPUT`, reads the stored "
+    "replies again and asks the model nothing; results.md ends with a parser audit of "
+    "every mode, and every accuracy has an exact 95% interval."
+)
+_EVAL_EXAMPLES = (
+    "ood-jax eval-mllm foci --data-dir data/tfds --config food101 \\\n"
+    "      --endpoint http://127.0.0.1:8000/v1 --model Qwen/Qwen2-VL-7B-Instruct "
+    "--output runs/foci_qwen",
+    "ood-jax eval-mllm counts-oodg --items items/items.jsonl --local models/llava "
+    "--output runs/oodg --limit 20",
+    "ood-jax eval-mllm oodbench --data-dir data/tfds --endpoint "
+    "http://127.0.0.1:8000/v1 \\\n      --model Qwen/Qwen2.5-VL-7B-Instruct "
+    "--concurrency 32 --output runs/oodbench_qwen",
+    "ood-jax eval-mllm foci --data-dir data/tfds --config food101 --endpoint "
+    "https://api.openai.com/v1 \\\n      --model o4-mini --token-param "
+    "max_completion_tokens --temperature none --max-tokens 2048 \\\n      "
+    '--extra-body \'{"reasoning_effort": "low"}\' --output runs/foci_o4mini',
+    "ood-jax eval-mllm foci --data-dir data/tfds --config food101 --endpoint "
+    "http://127.0.0.1:8000/v1 \\\n      --model Qwen/Qwen2-VL-7B-Instruct --output "
+    "runs/foci_qwen --parse-mode judge \\\n      --judge-endpoint "
+    "http://127.0.0.1:8001/v1 --judge-model Qwen/Qwen2.5-7B-Instruct",
+    "ood-jax eval-mllm foci --data-dir data/tfds --corrupted "
+    "corrupted/foci-food101-9bfccb7c34 \\\n      --endpoint http://127.0.0.1:8000/v1 "
+    "--model Qwen/Qwen2-VL-7B-Instruct --output runs/foci_qwen_corrupted",
+)
 
 
 def _add_eval_mllm(subparsers) -> None:
     p = subparsers.add_parser(
         "eval-mllm",
         help="evaluate an MLLM on foci, counts-oodg, oodbench or oodbench-bap (resumable)",
-        description=help_text.fill(
-            "Asks a model every item of a benchmark and writes OUTPUT/predictions.jsonl (one line "
-            "per item, appended as replies arrive), results.json and results.md. Rerunning into "
-            "the same OUTPUT sends only the items still without a reply; Ctrl-C keeps the "
-            "replies received. --limit N writes results.limitN.json and results.limitN.md "
-            "beside the full results, never over them. With --endpoint, GET {endpoint}/models "
-            "must list --model first; each prediction keeps the reply's finish reason, refusal, "
-            "reasoning, token usage, latency and attempts, and the results count replies "
-            "answered, truncated, refused, empty and failed. A run stops early when "
-            "--max-consecutive-failures items in a row fail the same way; the exit status says "
-            "how it went. Replies are read under --parse-mode, which is not part of the run's "
-            "identity: a rerun with another mode, or `ood-jax rescore OUTPUT`, reads the stored "
-            "replies again and asks the model nothing; results.md ends with a parser audit of "
-            "every mode, and every accuracy has an exact 95% interval."
-        ),
-        epilog=help_text.examples(
-            "ood-jax eval-mllm foci --data-dir data/tfds --config food101 \\\n"
-            "      --endpoint http://127.0.0.1:8000/v1 --model Qwen/Qwen2-VL-7B-Instruct "
-            "--output runs/foci_qwen",
-            "ood-jax eval-mllm counts-oodg --items items/items.jsonl --local models/llava "
-            "--output runs/oodg --limit 20",
-            "ood-jax eval-mllm oodbench --data-dir data/tfds --endpoint "
-            "http://127.0.0.1:8000/v1 \\\n      --model Qwen/Qwen2.5-VL-7B-Instruct "
-            "--concurrency 32 --output runs/oodbench_qwen",
-            "ood-jax eval-mllm foci --data-dir data/tfds --config food101 --endpoint "
-            "https://api.openai.com/v1 \\\n      --model o4-mini --token-param "
-            "max_completion_tokens --temperature none --max-tokens 2048 \\\n      "
-            '--extra-body \'{"reasoning_effort": "low"}\' --output runs/foci_o4mini',
-            "ood-jax eval-mllm foci --data-dir data/tfds --config food101 --endpoint "
-            "http://127.0.0.1:8000/v1 \\\n      --model Qwen/Qwen2-VL-7B-Instruct --output "
-            "runs/foci_qwen --parse-mode judge \\\n      --judge-endpoint "
-            "http://127.0.0.1:8001/v1 --judge-model Qwen/Qwen2.5-7B-Instruct",
-            "ood-jax eval-mllm foci --data-dir data/tfds --corrupted "
-            "corrupted/foci-food101-9bfccb7c34 \\\n      --endpoint http://127.0.0.1:8000/v1 "
-            "--model Qwen/Qwen2-VL-7B-Instruct --output runs/foci_qwen_corrupted",
-        )
-        + "\n\n"
-        + EXIT_CODES,
+        description=help_text.fill(_EVAL_DESCRIPTION),
+        epilog=help_text.examples(*_EVAL_EXAMPLES) + "\n\n" + EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("benchmark", choices=tasks.BENCHMARKS)
-    p.add_argument("--data-dir", help="TFDS data directory holding the built benchmark")
-    p.add_argument(
+    _benchmark_flags(p.add_argument_group("what to ask"))
+    _model_flags(p.add_argument_group("the model"))
+    _run_flags(p.add_argument_group("the run"))
+    _request_flags(p.add_argument_group("requests (--endpoint)"))
+    _cost_flags(p.add_argument_group("cost and limits (--endpoint, --local)"))
+    _reading_flags(p.add_argument_group("reading replies"))
+    _judge_flags(p.add_argument_group("the judge (--parse-mode judge)"))
+    _clip_flags(p.add_argument_group("the CLIP baseline (--clip)"))
+    p.set_defaults(run=run_eval_mllm)
+
+
+def _benchmark_flags(g) -> None:
+    g.add_argument("benchmark", choices=tasks.BENCHMARKS)
+    g.add_argument("--data-dir", help="TFDS data directory holding the built benchmark")
+    g.add_argument(
         "--config",
         help="builder config: foci dataset(s), comma-separated (default: every built one); "
         "oodbench: default / bap",
     )
-    p.add_argument("--items", help="counts-oodg: the items.jsonl written by `ood-jax mine oodg`")
-    p.add_argument(
+    g.add_argument("--items", help="counts-oodg: the items.jsonl written by `ood-jax mine oodg`")
+    g.add_argument(
         "--corrupted",
         metavar="corrupted/NAME",
         help="foci, oodbench: ask the items of this corrupted dataset in --data-dir (`ood-jax "
@@ -153,7 +147,29 @@ def _add_eval_mllm(subparsers) -> None:
         "corruption and severity; results add the score per corruption, and OUTPUT gets "
         "corruptions.json (mPC, rPC) for `ood-jax report`. Part of the run's identity",
     )
-    model = p.add_mutually_exclusive_group(required=True)
+    g.add_argument(
+        "--setting",
+        help="oodbench: plain or cot; counts-oodg: zero_shot, iid, covariate_shift, label_shift "
+        "or spurious_correlation (default: all in the items file)",
+    )
+    g.add_argument(
+        "--ice", type=int, help="counts-oodg: only items with this many in-context examples"
+    )
+    g.add_argument("--task", choices=tasks.OODG_TASKS, help="counts-oodg: only this task")
+    g.add_argument(
+        "--circular",
+        type=int,
+        metavar="N",
+        help="circular evaluation, N times the requests: foci asks every item under N cyclic "
+        "shifts of its options (2-4; 4: MMBench's CircularEval), oodbench (N=2) every question "
+        "with its answers also listed 'no' first, paired with its negation; results add the "
+        "accuracy with every rotation right, the letters picked and the yes-bias. Part of the "
+        "run's identity; --limit counts the rotated items",
+    )
+
+
+def _model_flags(g) -> None:
+    model = g.add_mutually_exclusive_group(required=True)
     model.add_argument(
         "--endpoint",
         action="append",
@@ -165,46 +181,47 @@ def _add_eval_mllm(subparsers) -> None:
     model.add_argument(
         "--clip", metavar="PATH", help="CLIP/SigLIP baseline: a scorer directory (from_hf)"
     )
-    p.add_argument("--model", help="model name sent to the endpoint (required with --endpoint)")
-    p.add_argument(
+    g.add_argument("--model", help="model name sent to the endpoint (required with --endpoint)")
+    g.add_argument(
         interleaving.PROBE_FLAG,
         action="store_true",
         help="--endpoint: first measure where the server puts a turn's images (exactly via "
         "vLLM's /tokenize, else from greedy replies) and record it in the results",
     )
-    p.add_argument("--output", required=True, help="run directory (predictions and results)")
-    p.add_argument(
-        "--setting",
-        help="oodbench: plain or cot; counts-oodg: zero_shot, iid, covariate_shift, label_shift "
-        "or spurious_correlation (default: all in the items file)",
+    g.add_argument(
+        "--max-tokens",
+        type=int,
+        help="generation budget (default: foci 10 as FOCI, oodbench 16, cot 512, bap 32, "
+        "counts-oodg 512)",
     )
-    p.add_argument(
-        "--ice", type=int, help="counts-oodg: only items with this many in-context examples"
+    g.add_argument(
+        "--api-key-env",
+        default=clients.DEFAULT_API_KEY_ENV,
+        help="environment variable holding the API key (default OPENAI_API_KEY); unset: no key",
     )
-    p.add_argument("--task", choices=tasks.OODG_TASKS, help="counts-oodg: only this task")
-    p.add_argument(
+    g.add_argument(
+        "--allow-plain-http-key",
+        action="store_true",
+        help="send the API key over plain http:// to a host other than loopback (refused "
+        "otherwise: anyone on the path could read it)",
+    )
+
+
+def _run_flags(g) -> None:
+    g.add_argument("--output", required=True, help="run directory (predictions and results)")
+    g.add_argument(
         "--limit",
         type=int,
         help="only the first N items; their results go to OUTPUT/results.limitN.{json,md}",
     )
-    p.add_argument(
+    g.add_argument(
         "--shard",
         type=_shard,
         metavar="I/N",
         help="ask the I-th of N disjoint parts of the items (by item id; a question's rotations "
         "stay together), e.g. one part per machine; `ood-jax merge` joins the N parts' OUTPUTs",
     )
-    p.add_argument(
-        "--circular",
-        type=int,
-        metavar="N",
-        help="circular evaluation, N times the requests: foci asks every item under N cyclic "
-        "shifts of its options (2-4; 4: MMBench's CircularEval), oodbench (N=2) every question "
-        "with its answers also listed 'no' first, paired with its negation; results add the "
-        "accuracy with every rotation right, the letters picked and the yes-bias. Part of the "
-        "run's identity; --limit counts the rotated items",
-    )
-    p.add_argument(
+    g.add_argument(
         "--concurrency",
         type=int,
         default=clients.DEFAULT_CONCURRENCY,
@@ -212,32 +229,25 @@ def _add_eval_mllm(subparsers) -> None:
         f"timeouts), back up one at a time as it copes (default {clients.DEFAULT_CONCURRENCY}, "
         "for one local server; batching servers and hosted APIs take 16-64)",
     )
-    p.add_argument(
-        "--max-tokens",
+    g.add_argument(
+        "--max-consecutive-failures",
         type=int,
-        help="generation budget (default: foci 10 as FOCI, oodbench 16, cot 512, bap 32, "
-        "counts-oodg 512)",
+        default=scheduling.DEFAULT_MAX_CONSECUTIVE_FAILURES,
+        help="stop the run when this many items in a row fail with the same kind of error, "
+        f"keeping every reply (default {scheduling.DEFAULT_MAX_CONSECUTIVE_FAILURES}; 0: never)",
     )
-    p.add_argument(
-        "--api-key-env",
-        default=clients.DEFAULT_API_KEY_ENV,
-        help="environment variable holding the API key (default OPENAI_API_KEY); unset: no key",
-    )
-    p.add_argument(
-        "--allow-plain-http-key",
-        action="store_true",
-        help="send the API key over plain http:// to a host other than loopback (refused "
-        "otherwise: anyone on the path could read it)",
-    )
-    http = p.add_argument_group("requests (--endpoint)")
-    http.add_argument(
+    g.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+
+
+def _request_flags(g) -> None:
+    g.add_argument(
         "--token-param",
         choices=clients.TOKEN_PARAMS,
         default="max_tokens",
         help="the request field of the generation budget (default max_tokens; OpenAI's "
         "o-series and other reasoning models take max_completion_tokens)",
     )
-    http.add_argument(
+    g.add_argument(
         "--temperature",
         type=_temperature,
         default=0.0,
@@ -245,13 +255,22 @@ def _add_eval_mllm(subparsers) -> None:
         help="sampling temperature (default 0, greedy); none: send no temperature, for "
         "models that reject one",
     )
-    http.add_argument(
+    g.add_argument(
         "--extra-body",
         metavar="JSON",
         help="a JSON object merged into every request body (vendor sampling parameters such "
         "as top_k, reasoning_effort or chat_template_kwargs); part of the run's identity",
     )
-    http.add_argument(
+    _retry_flags(g)
+    g.add_argument(
+        "--no-model-check",
+        action="store_true",
+        help="skip the preflight GET {endpoint}/models that checks --model is served",
+    )
+
+
+def _retry_flags(g) -> None:
+    g.add_argument(
         "--timeout",
         type=float,
         default=clients.DEFAULT_TIMEOUT_S,
@@ -259,19 +278,19 @@ def _add_eval_mllm(subparsers) -> None:
         "timeout one request at a time goes out until the server catches up, since it may "
         f"still be computing the abandoned one (default {clients.DEFAULT_TIMEOUT_S:g})",
     )
-    http.add_argument(
+    g.add_argument(
         "--max-attempts",
         type=int,
         default=clients.DEFAULT_MAX_ATTEMPTS,
         help=f"HTTP attempts per item (default {clients.DEFAULT_MAX_ATTEMPTS})",
     )
-    http.add_argument(
+    g.add_argument(
         "--retry-budget",
         type=int,
         help="retries the whole run may make (default: 10, plus one per 4 items asked), so "
         "that a failing server costs a few requests, not --max-attempts per item",
     )
-    http.add_argument(
+    g.add_argument(
         "--max-retry-after",
         type=float,
         default=clients.DEFAULT_MAX_RETRY_AFTER_S,
@@ -279,26 +298,16 @@ def _add_eval_mllm(subparsers) -> None:
         f"that item at once, saying so (default {clients.DEFAULT_MAX_RETRY_AFTER_S:g}; 0: "
         "never wait on one)",
     )
-    http.add_argument(
+    g.add_argument(
         "--backoff",
         type=float,
         default=1.0,
         help="first retry wait in seconds, doubling per attempt up to 60 s (default 1)",
     )
-    http.add_argument(
-        "--no-model-check",
-        action="store_true",
-        help="skip the preflight GET {endpoint}/models that checks --model is served",
-    )
-    p.add_argument(
-        "--max-consecutive-failures",
-        type=int,
-        default=scheduling.DEFAULT_MAX_CONSECUTIVE_FAILURES,
-        help="stop the run when this many items in a row fail with the same kind of error, "
-        f"keeping every reply (default {scheduling.DEFAULT_MAX_CONSECUTIVE_FAILURES}; 0: never)",
-    )
-    cost = p.add_argument_group("cost and limits (--endpoint, --local)")
-    cost.add_argument(
+
+
+def _cost_flags(g) -> None:
+    g.add_argument(
         "--price-in",
         type=float,
         metavar="PRICE",
@@ -306,31 +315,34 @@ def _add_eval_mllm(subparsers) -> None:
         "price the token usage the server reports. Not part of the run's identity: OUTPUT "
         "keeps the last prices given",
     )
-    cost.add_argument(
+    g.add_argument(
         "--price-out", type=float, metavar="PRICE", help="price of a million completion tokens"
     )
-    cost.add_argument(
+    g.add_argument(
         "--max-requests",
         type=int,
         metavar="N",
         help="stop (exit 4, every reply kept) before this invocation's request N+1; a request "
         "is one item asked, its retries included; a rerun continues",
     )
-    cost.add_argument(
+    g.add_argument(
         "--max-cost",
         type=float,
         metavar="COST",
         help="stop (exit 4, every reply kept) once this invocation's replies cost this much at "
         "--price-in/--price-out (requests already out still finish); a rerun continues",
     )
-    p.add_argument(
+
+
+def _reading_flags(g) -> None:
+    g.add_argument(
         "--strip-think",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="take <think>...</think> reasoning out of replies before they are parsed, "
         "keeping it as the prediction's reasoning (default: on; part of the run's identity)",
     )
-    p.add_argument(
+    g.add_argument(
         "--parse-mode",
         choices=tasks.PARSE_MODES,
         help="how multiple-choice replies are read (foci and counts-oodg): foci, FOCI's rule "
@@ -340,37 +352,36 @@ def _add_eval_mllm(subparsers) -> None:
         "reads. Not part of the run's identity: another mode re-reads the stored replies and "
         "asks the model nothing (default: the mode OUTPUT's results were last written with)",
     )
-    judging = p.add_argument_group("the judge (--parse-mode judge)")
-    judging.add_argument(
+
+
+def _judge_flags(g) -> None:
+    g.add_argument(
         "--judge-endpoint",
         help="OpenAI-compatible base URL of the judge model, asked only about replies no rule "
         "reads; its verdicts are kept in OUTPUT/judge.jsonl",
     )
-    judging.add_argument("--judge-model", help="the judge's model name at --judge-endpoint")
-    judging.add_argument(
+    g.add_argument("--judge-model", help="the judge's model name at --judge-endpoint")
+    g.add_argument(
         "--judge-api-key-env",
         default=clients.DEFAULT_API_KEY_ENV,
         help="environment variable holding the judge's API key (default OPENAI_API_KEY)",
     )
-    judging.add_argument(
+    g.add_argument(
         "--judge-max-tokens",
         type=int,
         default=judge.DEFAULT_MAX_TOKENS,
         help=f"the judge's generation budget (default {judge.DEFAULT_MAX_TOKENS}: one letter; "
         "more for a reasoning judge); part of the judge's identity",
     )
-    p.add_argument(
+
+
+def _clip_flags(g) -> None:
+    g.add_argument(
         "--templates",
         nargs="+",
         help="--clip: text templates with {} for the option (default: 'a photo of a {}.')",
     )
-    p.add_argument("--batch-size", type=int, default=64, help="--clip: images per batch")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.set_defaults(run=run_eval_mllm)
-
-
-def _fail(message: str) -> SystemExit:
-    return SystemExit(f"error: {message}")
+    g.add_argument("--batch-size", type=int, default=64, help="--clip: images per batch")
 
 
 def _temperature(value: str) -> float | None:
@@ -383,6 +394,18 @@ def _temperature(value: str) -> float | None:
     if not (math.isfinite(temperature) and temperature >= 0):
         raise argparse.ArgumentTypeError(f"must be a non-negative number, got {value!r}")
     return temperature
+
+
+def _shard(spec: str) -> shards.Shard:
+    try:
+        return shards.Shard.parse(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--shard {spec!r}: ")) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# eval-mllm: the checks that need more than one flag, and the option records
+# ---------------------------------------------------------------------------------------------
 
 
 def _extra_body(value: str | None) -> dict | None:
@@ -399,7 +422,7 @@ def _extra_body(value: str | None) -> dict | None:
         raise _fail(str(e)) from None
 
 
-def _check_eval_arguments(args: argparse.Namespace) -> None:
+def _check_model_arguments(args: argparse.Namespace) -> None:
     if args.endpoint and not args.model:
         raise _fail("--endpoint needs --model (the name the server knows the model by)")
     if args.templates and not args.clip:
@@ -414,16 +437,22 @@ def _check_eval_arguments(args: argparse.Namespace) -> None:
         raise _fail("--clip answers with letters: it needs no judge")
     if args.parse_mode and args.clip:
         raise _fail("--clip answers with the letter itself: every --parse-mode reads it alike")
-    args.extra_body = _extra_body(args.extra_body)
-    if not args.endpoint:
-        for flag, given in (
-            ("--token-param", args.token_param != "max_tokens"),
-            ("--temperature", args.temperature != 0),
-            ("--extra-body", args.extra_body is not None),
-            (interleaving.PROBE_FLAG, args.check_interleaving),
-        ):
-            if given:
-                raise _fail(f"{flag} applies to --endpoint only")
+
+
+def _check_endpoint_only(args: argparse.Namespace, extra_body: dict | None) -> None:
+    if args.endpoint:
+        return
+    for flag, given in (
+        ("--token-param", args.token_param != "max_tokens"),
+        ("--temperature", args.temperature != 0),
+        ("--extra-body", extra_body is not None),
+        (interleaving.PROBE_FLAG, args.check_interleaving),
+    ):
+        if given:
+            raise _fail(f"{flag} applies to --endpoint only")
+
+
+def _check_ranges(args: argparse.Namespace) -> None:
     for flag, value, least in (
         ("--concurrency", args.concurrency, 1),
         ("--limit", args.limit, 0),
@@ -441,7 +470,6 @@ def _check_eval_arguments(args: argparse.Namespace) -> None:
         raise _fail(f"--timeout must be positive, got {args.timeout}")
     if not args.max_retry_after >= 0:
         raise _fail(f"--max-retry-after must be non-negative, got {args.max_retry_after}")
-    _check_cost_arguments(args)
 
 
 def _check_cost_arguments(args: argparse.Namespace) -> None:
@@ -461,118 +489,102 @@ def _check_cost_arguments(args: argparse.Namespace) -> None:
         )
 
 
+def eval_job(args: argparse.Namespace) -> job.Job:
+    """The job eval-mllm's flags ask for; a flag that does not fit is one error line."""
+    _check_model_arguments(args)
+    extra_body = _extra_body(args.extra_body)
+    _check_endpoint_only(args, extra_body)
+    _check_ranges(args)
+    _check_cost_arguments(args)
+    return job.Job(
+        benchmark=job.BenchmarkOptions(
+            args.benchmark,
+            data_dir=args.data_dir,
+            config=args.config,
+            items=args.items,
+            setting=args.setting,
+            ice=args.ice,
+            task=args.task,
+            circular=args.circular,
+            corrupted=args.corrupted,
+        ),
+        model=_model(args, extra_body),
+        output=args.output,
+        reading=job.ReadingOptions(args.parse_mode, args.strip_think, _judge(args)),
+        schedule=job.ScheduleOptions(
+            concurrency=args.concurrency,
+            limit=args.limit,
+            shard=args.shard,
+            retry_budget=args.retry_budget,
+            max_consecutive_failures=args.max_consecutive_failures,
+            prices=_prices(args),
+            limits=accounting.Limits(args.max_requests, args.max_cost),
+            progress=not args.no_progress,
+        ),
+    )
+
+
+def _model(args: argparse.Namespace, extra_body: dict | None) -> job.Model:
+    if args.local:
+        return job.LocalOptions(args.local, args.max_tokens)
+    if args.clip:
+        templates = tuple(args.templates or clip_baseline.DEFAULT_TEMPLATES)
+        return job.ClipOptions(args.clip, args.model, templates, args.batch_size)
+    return _endpoint(
+        args,
+        args.endpoint,
+        args.model,
+        args.api_key_env,
+        args.max_tokens,
+        token_param=args.token_param,
+        temperature=args.temperature,
+        extra_body=extra_body,
+        check_interleaving=args.check_interleaving,
+    )
+
+
+def _judge(args: argparse.Namespace) -> job.EndpointOptions | None:
+    """The judge's endpoint: greedy, with the run's timeouts and retries."""
+    if not args.judge_endpoint:
+        return None
+    return _endpoint(
+        args, [args.judge_endpoint], args.judge_model, args.judge_api_key_env, args.judge_max_tokens
+    )
+
+
+def _endpoint(
+    args: argparse.Namespace, urls, model: str, api_key_env: str, max_tokens, **request
+) -> job.EndpointOptions:
+    return job.EndpointOptions(
+        tuple(urls),
+        model,
+        max_tokens=max_tokens,
+        api_key_env=api_key_env,
+        allow_plain_http_key=args.allow_plain_http_key,
+        timeout_s=args.timeout,
+        max_attempts=args.max_attempts,
+        backoff_s=args.backoff,
+        max_retry_after_s=args.max_retry_after,
+        check_model=not args.no_model_check,
+        **request,
+    )
+
+
 def _prices(args: argparse.Namespace) -> accounting.Prices | None:
     if args.price_in is None:
         return None
     return accounting.Prices(args.price_in, args.price_out)
 
 
-def _make_client(args: argparse.Namespace, max_tokens: int):
-    if args.local:
-        return clients.TransformersClient(
-            args.local, max_new_tokens=max_tokens, task=args.benchmark
-        )
-    endpoints = [
-        _http_client(
-            args,
-            endpoint,
-            args.model,
-            args.api_key_env,
-            max_tokens=max_tokens,
-            token_param=args.token_param,
-            temperature=args.temperature,
-            extra_body=args.extra_body,
-        )
-        for endpoint in dict.fromkeys(args.endpoint)
-    ]
-    if len(endpoints) == 1:
-        return endpoints[0]
-    return replicas.Replicas(endpoints, args.concurrency)
-
-
-def _http_client(
-    args: argparse.Namespace, endpoint: str, model: str, api_key_env: str, **options
-) -> clients.OpenAIChatClient:
-    """An endpoint's client with the run's load options, its model checked (the preflight)."""
-    try:
-        client = clients.OpenAIChatClient(
-            endpoint,
-            model,
-            api_key_env=api_key_env,
-            timeout_s=args.timeout,
-            max_attempts=args.max_attempts,
-            backoff_base_s=args.backoff,
-            max_retry_after_s=args.max_retry_after,
-            allow_plain_http_key=args.allow_plain_http_key,
-            **options,
-        )
-    except ValueError as e:
-        raise _fail(str(e)) from None
-    if not client.has_api_key:
-        print(f"note: ${api_key_env} is not set; sending no API key", file=sys.stderr)
-    if not args.no_model_check:
-        try:
-            note = client.check_model()
-        except clients.ClientError as e:
-            raise _fail(str(e)) from None
-        if note:
-            print(f"note: {note}", file=sys.stderr)
-    return client
-
-
-def _make_judge(args: argparse.Namespace) -> judge.Judge | None:
-    """The judge of --parse-mode judge (greedy, one letter), keeping its verdicts in OUTPUT."""
-    if not args.judge_endpoint:
-        return None
-    client = _http_client(
-        args,
-        args.judge_endpoint,
-        args.judge_model,
-        args.judge_api_key_env,
-        max_tokens=args.judge_max_tokens,
-    )
-    return judge.Judge(client, args.output, concurrency=args.concurrency)
+# ---------------------------------------------------------------------------------------------
+# eval-mllm: the run and what it says
+# ---------------------------------------------------------------------------------------------
 
 
 def run_eval_mllm(args: argparse.Namespace) -> dict:
-    _check_eval_arguments(args)
     try:
-        benchmark = _make_benchmark(args)
-    except ValueError as e:
-        raise _fail(str(e)) from None
-    if args.parse_mode and args.parse_mode not in benchmark.parse_modes:
-        readable = ", ".join(
-            b for b in tasks.BENCHMARKS if tasks.scoring_for({"benchmark": b}).parse_modes
-        )
-        raise _fail(
-            f"--parse-mode applies to {readable}: {args.benchmark} reads its replies one way"
-            if not benchmark.parse_modes
-            else f"{args.benchmark} reads replies under --parse-mode "
-            f"{', '.join(benchmark.parse_modes)}, not {args.parse_mode}"
-        )
-    shard, output = _process_part(args)
-    progress = not args.no_progress and multihost.is_primary()
-    try:
-        if args.clip:
-            results = _run_clip(args, benchmark, progress, shard, output)
-        else:
-            client = _make_client(args, args.max_tokens or benchmark.default_max_tokens)
-            # Replicas each take --concurrency requests at a time.
-            options = runner.RunOptions(
-                concurrency=args.concurrency * len(getattr(client, "endpoints", [None])),
-                limit=args.limit,
-                progress=progress,
-                retry_budget=args.retry_budget,
-                max_consecutive_failures=args.max_consecutive_failures,
-                strip_think=args.strip_think,
-                warnings=tuple(_interleaving_warnings(args, benchmark)),
-                parse_mode=args.parse_mode,
-                prices=_prices(args),
-                limits=accounting.Limits(args.max_requests, args.max_cost),
-                shard=shard,
-            )
-            results = runner.run(benchmark, client, output, options, _make_judge(args))
-    except (store.RunError, tasks.ItemsError, FileNotFoundError) as e:
+        outcome = job.run(eval_job(args))
+    except (job.JobError, store.RunError, tasks.ItemsError, FileNotFoundError) as e:
         raise _fail(str(e)) from None
     except scheduling.LimitReached as e:
         print(f"stopped: {e}; rerun the same command to continue", file=sys.stderr)
@@ -583,22 +595,23 @@ def run_eval_mllm(args: argparse.Namespace) -> dict:
             file=sys.stderr,
         )
         raise SystemExit(EXIT_STOPPED) from None
-    if jax.process_count() > 1:
-        # Every part answered: process 0 joins them into OUTPUT, as `ood-jax merge` does.
-        multihost.barrier("eval-mllm: every part answered")
-        if not multihost.is_primary():
-            return results
-        parts = [pathlib.Path(args.output) / PARTS_DIR / str(i) for i in range(jax.process_count())]
-        try:
-            results, _ = shards.merge(parts, args.output)
-        except store.RunError as e:
-            raise _fail(str(e)) from None
-    output = pathlib.Path(args.output)
+    if not outcome.primary:
+        return outcome.results
+    _print_results(outcome)
+    _note_outcomes(outcome.results)
+    if not outcome.results["complete"]:
+        _say_incomplete(outcome)
+        raise SystemExit(EXIT_INCOMPLETE)
+    return outcome.results
+
+
+def _print_results(outcome: job.Outcome) -> None:
+    """results.md on stdout; where the numbers went on stderr."""
+    results, output = outcome.results, outcome.directory
     json_name, md_name = store.results_files(results.get("limit"))
     print((output / md_name).read_text())
-    # A --limit run's numbers are a subset's: they never replace the run's corruptions.json.
-    if "limit" not in results and corrupted.write_robustness(output, results):
-        print(f"mPC and rPC -> {output / robustness.FILE}", file=sys.stderr)
+    if outcome.robustness is not None:
+        print(f"mPC and rPC -> {outcome.robustness}", file=sys.stderr)
     if "limit" in results:
         full = output / store.RESULTS_JSON
         rest = (
@@ -610,98 +623,6 @@ def run_eval_mllm(args: argparse.Namespace) -> dict:
             f"results of the first {results['limit']} items -> {output / json_name}; {rest}",
             file=sys.stderr,
         )
-    _note_outcomes(results)
-    if not results["complete"]:
-        failed = results["outcomes"]["error"]
-        if failed:
-            print(
-                f"{failed} of {results['num_items']} items failed; rerun the "
-                "same command to retry them "
-                f"(details in {pathlib.Path(args.output) / store.PREDICTIONS_FILE})",
-                file=sys.stderr,
-            )
-        unjudged = results.get("judge", {}).get("without_verdict", 0)
-        if unjudged:
-            print(
-                f"{unjudged} replies have no verdict: their judge requests failed; rerun the "
-                "same command to retry them "
-                f"(details in {pathlib.Path(args.output) / judge.JUDGE_FILE})",
-                file=sys.stderr,
-            )
-        raise SystemExit(EXIT_INCOMPLETE)
-    return results
-
-
-def _process_part(args: argparse.Namespace) -> tuple[shards.Shard | None, str]:
-    """(the shard, the output directory) of this process: in a job of N processes (`ood-jax
-    launch`, one process per GPU for --local models) process I asks shard I/N into
-    OUTPUT/parts/I, and process 0 merges the parts into OUTPUT."""
-    count = jax.process_count()
-    if count == 1:
-        return args.shard, args.output
-    if args.shard is not None:
-        raise _fail(f"--shard in a job of {count} processes: each process asks its own part")
-    if args.limit is not None:
-        raise _fail(f"--limit in a job of {count} processes: the processes split every item")
-    shard = shards.Shard(jax.process_index(), count)
-    return shard, str(pathlib.Path(args.output) / PARTS_DIR / str(shard.index))
-
-
-def _make_benchmark(args: argparse.Namespace) -> tasks.Benchmark:
-    """The task's benchmark, over the --corrupted dataset's items when one is given."""
-    if not args.corrupted:
-        return tasks.make_benchmark(
-            args.benchmark,
-            data_dir=args.data_dir,
-            config=args.config,
-            items=args.items,
-            setting=args.setting,
-            ice=args.ice,
-            task=args.task,
-            circular=args.circular,
-        )
-    if args.benchmark not in _CORRUPTED:
-        raise ValueError(f"--corrupted applies to {' and '.join(_CORRUPTED)} only")
-    for flag, value in (("--ice", args.ice), ("--task", args.task), ("--items", args.items)):
-        if value is not None:
-            raise ValueError(f"{flag} applies to counts-oodg only")
-    if args.data_dir is None:
-        raise ValueError("--corrupted names a dataset in --data-dir: pass --data-dir")
-    if args.config is not None:
-        raise ValueError("--corrupted asks the one dataset it was built from: drop --config")
-    if args.benchmark == "foci":
-        if args.setting is not None:
-            raise ValueError("foci has no settings (see --parse-mode)")
-        return foci.CorruptedFoci(args.data_dir, args.corrupted, args.circular)
-    setting = args.setting or "plain"
-    return oodbench.CorruptedOodBench(args.data_dir, args.corrupted, setting, args.circular)
-
-
-def _interleaving_warnings(args: argparse.Namespace, benchmark: tasks.Benchmark) -> list[str]:
-    """What the results must say about where an endpoint's model saw the images: the probe's
-    finding with --check-interleaving, else that nobody checked (multi-image items only)."""
-    if not args.endpoint:
-        return []  # --local keeps images in place or refuses (interleaving.LocalPrompts)
-    found = None
-    if args.check_interleaving:
-        found = probe.probe_endpoint(
-            args.endpoint[0], args.model, api_key_env=args.api_key_env, timeout_s=args.timeout
-        )
-        print(f"{interleaving.PROBE_FLAG}: {found.detail}", file=sys.stderr)
-    if benchmark.max_images_per_item() < 2:
-        return []
-    if found is not None and found.keeps_images_in_place:
-        return []
-    if found is not None and found.keeps_images_in_place is False:
-        return [
-            f"{benchmark.name}: items carry up to {benchmark.max_images_per_item()} images "
-            f"between their texts, and {interleaving.PROBE_FLAG} found that {found.detail}; "
-            "the model saw them away from the texts they belong to"
-        ]
-    warning = interleaving.endpoint_warning(benchmark.name, benchmark.max_images_per_item())
-    if found is not None:
-        warning += f" (it could not tell here: {found.detail})"
-    return [warning]
 
 
 def _note_outcomes(results: dict) -> None:
@@ -723,29 +644,22 @@ def _note_outcomes(results: dict) -> None:
         )
 
 
-def _run_clip(
-    args: argparse.Namespace,
-    benchmark: tasks.Benchmark,
-    progress: bool,
-    shard: shards.Shard | None,
-    output: str,
-) -> dict:
-    from ood_jax.eval import clip_baseline
-
-    try:
-        from ood_jax.scorers import from_hf
-    except ImportError as e:
-        raise _fail(f"the CLIP baseline needs ood_jax.scorers ({e})") from None
-    scorer = from_hf(args.clip)
-    return clip_baseline.run_clip_baseline(
-        benchmark,
-        scorer,
-        output,
-        scorer_name=args.model or str(pathlib.Path(args.clip).resolve()),
-        templates=tuple(args.templates or clip_baseline.DEFAULT_TEMPLATES),
-        batch_size=args.batch_size,
-        options=runner.RunOptions(limit=args.limit, progress=progress, shard=shard),
-    )
+def _say_incomplete(outcome: job.Outcome) -> None:
+    results = outcome.results
+    failed = results["outcomes"]["error"]
+    if failed:
+        print(
+            f"{failed} of {results['num_items']} items failed; rerun the same command to retry "
+            f"them (details in {outcome.directory / store.PREDICTIONS_FILE})",
+            file=sys.stderr,
+        )
+    unjudged = results.get("judge", {}).get("without_verdict", 0)
+    if unjudged:
+        print(
+            f"{unjudged} replies have no verdict: their judge requests failed; rerun the "
+            f"same command to retry them (details in {outcome.directory / judge.JUDGE_FILE})",
+            file=sys.stderr,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -817,13 +731,6 @@ def run_rescore(args: argparse.Namespace) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _shard(spec: str) -> shards.Shard:
-    try:
-        return shards.Shard.parse(spec)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--shard {spec!r}: ")) from None
-
-
 def _add_merge(subparsers) -> None:
     p = subparsers.add_parser(
         "merge",
@@ -852,39 +759,3 @@ def run_merge(args: argparse.Namespace) -> dict:
         raise _fail(str(e)) from None
     print(markdown.rstrip("\n"))
     return results
-
-
-# ---------------------------------------------------------------------------------------------
-# stats clip-conditional
-# ---------------------------------------------------------------------------------------------
-
-
-def add_stats_parsers(commands) -> None:
-    """Adds FOCI's `clip-conditional` to `commands`, what ood_jax.stats.cli.add_parsers returns."""
-    q = stats_cli.add_command(
-        commands,
-        "clip-conditional",
-        "FOCI Fig. 4: LVLM accuracy where the CLIP baseline is right and where it is wrong",
-        _stats_clip_conditional,
-        examples=["ood-jax stats clip-conditional --lvlm runs/foci_qwen --clip runs/foci_clip"],
-    )
-    q.add_argument("--lvlm", required=True, help="eval-mllm output directory of the LVLM")
-    q.add_argument("--clip", required=True, help="eval-mllm --clip output directory")
-
-
-def _stats_clip_conditional(args: argparse.Namespace) -> dict:
-    from ood_jax.eval import clip_baseline
-
-    try:
-        result = clip_baseline.conditional_accuracy(args.lvlm, args.clip)
-    except (ValueError, FileNotFoundError) as e:
-        raise _fail(str(e)) from None
-    lines = [
-        f"items: {result['num_items']}; CLIP accuracy {result['clip_accuracy']:.4f}, "
-        f"LVLM accuracy {result['lvlm_accuracy']:.4f}",
-        f"LVLM accuracy where CLIP is right: {result['clip_correct']['lvlm_accuracy']:.4f} "
-        f"({result['clip_correct']['count']} items)",
-        f"LVLM accuracy where CLIP is wrong: {result['clip_wrong']['lvlm_accuracy']:.4f} "
-        f"({result['clip_wrong']['count']} items)",
-    ]
-    return stats_cli.emit(args, result, lines)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 
-from ood_jax import help_text
+from ood_jax.cli import help_text
 from ood_jax.report import DEFAULT_TITLE, fit, write_report
 
 DESCRIPTION = (

@@ -1,12 +1,7 @@
 """`ood-jax stats`: OODBench's statistical checks (ood_jax.stats) run from result and embedding
-files.
-
-`add_parsers(subparsers)` adds `stats` to the `ood-jax` parser and returns its sub-command
-action; `add_command(commands, name, help, run, examples=...)` adds one more check there
-(ood_jax.eval.cli adds FOCI's `clip-conditional`, which reads eval-mllm run directories). Each
-check's `run` takes the parsed arguments, prints text (or JSON with --json) and returns the
-numbers; its --help ends with the examples.
-"""
+files, and FOCI's clip-conditional accuracy of two eval-mllm runs. `add_command` adds a check
+with --json and examples; `emit`, `count` and `probability` serve every command that prints
+numbers (ood_jax.cli.compare)."""
 
 from __future__ import annotations
 
@@ -19,7 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from ood_jax import files, help_text, stats
+from ood_jax import files, stats
+from ood_jax.cli import help_text
+from ood_jax.stats import inputs
 
 
 def add_command(
@@ -104,13 +101,29 @@ def add_parsers(subparsers):
             "The checks behind OODBench's claim that its data is OOD: binomial bounds on the "
             "share of models that see it as OOD, MMD equivalence of train-OOD and val-OOD, and "
             "the Hard-vs-OOD variance, correlation and resampling tests on accuracy drops; "
-            "and McNemar's exact test of two models on the same items."
+            "McNemar's exact test of two models on the same items; and FOCI's accuracy of an "
+            "LVLM where the CLIP baseline is right and where it is wrong."
         ),
         epilog=help_text.examples(CLOPPER_PEARSON_EXAMPLE, DROPS_EXAMPLE, F_TEST_EXAMPLE),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="stats_command", required=True)
+    for add in (
+        _add_binomial,
+        _add_mcnemar,
+        _add_mmd,
+        _add_equivalence,
+        _add_f_test,
+        _add_correlation,
+        _add_resampling,
+        _add_drops,
+        _add_clip_conditional,
+    ):
+        add(sub)
+    return sub
 
+
+def _add_binomial(sub) -> None:
     q = add_command(
         sub,
         "clopper-pearson",
@@ -128,6 +141,8 @@ def add_parsers(subparsers):
     q.add_argument("--confidence", type=probability, default=0.95)
     q.add_argument("--prior", choices=("uniform", "jeffreys"), default="uniform")
 
+
+def _add_mcnemar(sub) -> None:
     q = add_command(
         sub,
         "mcnemar",
@@ -139,6 +154,8 @@ def add_parsers(subparsers):
     q.add_argument("only_a", type=count(0), help="items A answered right and B wrong")
     q.add_argument("only_b", type=count(0), help="items B answered right and A wrong")
 
+
+def _add_mmd(sub) -> None:
     q = add_command(
         sub,
         "mmd",
@@ -155,6 +172,8 @@ def add_parsers(subparsers):
     )
     _upper_bound_arguments(q)
 
+
+def _add_equivalence(sub) -> None:
     q = add_command(
         sub,
         "equivalence",
@@ -174,6 +193,8 @@ def add_parsers(subparsers):
     q.add_argument("--quantile", type=probability, default=0.95, help="margin quantile")
     _upper_bound_arguments(q)
 
+
+def _add_f_test(sub) -> None:
     q = add_command(
         sub,
         "f-test",
@@ -185,6 +206,8 @@ def add_parsers(subparsers):
     _vector_arguments(q)
     q.add_argument("--alternative", choices=("greater", "less", "two-sided"), default="greater")
 
+
+def _add_correlation(sub) -> None:
     q = add_command(
         sub,
         "correlation",
@@ -194,6 +217,8 @@ def add_parsers(subparsers):
     )
     _vector_arguments(q)
 
+
+def _add_resampling(sub) -> None:
     q = add_command(
         sub,
         "resampling",
@@ -205,6 +230,8 @@ def add_parsers(subparsers):
     q.add_argument("--samples", required=True, help="baseline values (.npy or .json list)")
     q.add_argument("--alternative", choices=("greater", "less", "two-sided"), default="less")
 
+
+def _add_drops(sub) -> None:
     q = add_command(
         sub,
         "drops",
@@ -224,7 +251,17 @@ def add_parsers(subparsers):
     )
     q.add_argument("--out", help="also write {models, drops} here (input to f-test/correlation)")
 
-    return sub
+
+def _add_clip_conditional(sub) -> None:
+    q = add_command(
+        sub,
+        "clip-conditional",
+        "FOCI Fig. 4: LVLM accuracy where the CLIP baseline is right and where it is wrong",
+        _stats_clip_conditional,
+        examples=["ood-jax stats clip-conditional --lvlm runs/foci_qwen --clip runs/foci_clip"],
+    )
+    q.add_argument("--lvlm", required=True, help="eval-mllm output directory of the LVLM")
+    q.add_argument("--clip", required=True, help="eval-mllm --clip output directory")
 
 
 def _points_arguments(q: argparse.ArgumentParser, first: str, second: str) -> None:
@@ -259,43 +296,12 @@ def _vector_arguments(q: argparse.ArgumentParser) -> None:
         )
 
 
-def _load_points(path: str) -> np.ndarray:
-    if not path.endswith(".npy"):
-        raise _fail(f"{path}: expected a .npy array of points [N, D] (numpy.save)")
-    try:
-        array = np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise _fail(f"{path}: file not found") from None
-    except ValueError as e:
-        raise _fail(f"{path}: not a .npy array ({e})") from None
-    if array.ndim not in (1, 2):
-        raise _fail(f"{path}: expected points [N, D], got shape {array.shape}")
-    return array
+def _points(path: str) -> np.ndarray:
+    return _call(inputs.load_points, path)
 
 
-def _load_vector(path: str) -> np.ndarray:
-    if path.endswith(".npy"):
-        values = _load_points(path)
-    else:
-        try:
-            data = json.loads(pathlib.Path(path).read_text())
-        except FileNotFoundError:
-            raise _fail(f"{path}: file not found") from None
-        except json.JSONDecodeError as e:
-            raise _fail(f"{path}: not valid JSON ({e.msg})") from None
-        if isinstance(data, dict):
-            if "drops" not in data:
-                raise _fail(f"{path}: a JSON object needs a 'drops' list")
-            data = data["drops"]
-        if not isinstance(data, list):
-            raise _fail(f"{path}: expected a list of numbers")
-        for i, value in enumerate(data):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise _fail(f"{path}: entry {i} is {value!r}, expected a number")
-        values = np.asarray(data, dtype=np.float64)
-    if values.ndim != 1:
-        raise _fail(f"{path}: expected a vector, got shape {values.shape}")
-    return values.astype(np.float64)
+def _vector(path: str) -> np.ndarray:
+    return _call(inputs.load_vector, path)
 
 
 def _call(fn, *a, **kw):
@@ -343,7 +349,7 @@ def _stats_mcnemar(args: argparse.Namespace) -> dict:
 
 
 def _stats_mmd(args: argparse.Namespace) -> dict:
-    x, y = _load_points(args.x), _load_points(args.y)
+    x, y = _points(args.x), _points(args.y)
     bandwidth = args.bandwidth or _call(stats.median_heuristic_bandwidth, x, y)
     result: dict[str, Any] = {
         "mmd2": _call(stats.mmd2_unbiased, x, y, bandwidth),
@@ -374,7 +380,7 @@ def _stats_mmd(args: argparse.Namespace) -> dict:
 
 
 def _stats_equivalence(args: argparse.Namespace) -> dict:
-    train, val = _load_points(args.train), _load_points(args.val)
+    train, val = _points(args.train), _points(args.val)
     result = _call(
         stats.mmd_equivalence,
         train,
@@ -399,7 +405,7 @@ def _stats_equivalence(args: argparse.Namespace) -> dict:
 
 
 def _stats_f_test(args: argparse.Namespace) -> dict:
-    x, y = _load_vector(args.x), _load_vector(args.y)
+    x, y = _vector(args.x), _vector(args.y)
     f, p = _call(stats.variance_f_test, x, y, args.alternative)
     result = {"F": f, "df": [len(x) - 1, len(y) - 1], "p_value": p, "alternative": args.alternative}
     lines = [f"F({len(x) - 1}, {len(y) - 1}) = {f:.4f}, p = {p:.4g} ({args.alternative})"]
@@ -407,7 +413,7 @@ def _stats_f_test(args: argparse.Namespace) -> dict:
 
 
 def _stats_correlation(args: argparse.Namespace) -> dict:
-    x, y = _load_vector(args.x), _load_vector(args.y)
+    x, y = _vector(args.x), _vector(args.y)
     corr = _call(stats.correlation, x, y)
     result = {name: {"r": r, "p_value": p} for name, (r, p) in corr.items()}
     lines = [f"{name}: r = {r:.4f}, p = {p:.4g}" for name, (r, p) in corr.items()]
@@ -415,7 +421,7 @@ def _stats_correlation(args: argparse.Namespace) -> dict:
 
 
 def _stats_resampling(args: argparse.Namespace) -> dict:
-    samples = _load_vector(args.samples)
+    samples = _vector(args.samples)
     p = _call(stats.resampling_p_value, args.observed, samples, args.alternative)
     result = {
         "observed": args.observed,
@@ -427,43 +433,30 @@ def _stats_resampling(args: argparse.Namespace) -> dict:
     return emit(args, result, lines)
 
 
-def _split_metric(path: str, split: str, metric: str) -> float:
-    try:
-        data = json.loads(pathlib.Path(path).read_text())
-    except FileNotFoundError:
-        raise _fail(f"{path}: file not found") from None
-    except json.JSONDecodeError as e:
-        raise _fail(f"{path}: not valid JSON ({e.msg})") from None
-    splits = data.get("splits") if isinstance(data, dict) else None
-    if not isinstance(splits, dict):
-        raise _fail(f"{path}: no 'splits' (an eval-mllm oodbench or oodbench-bap results.json)")
-    if split not in splits:
-        raise _fail(f"{path}: no split {split!r} (has {', '.join(splits)})")
-    value = splits[split].get(metric)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
-        raise _fail(f"{path}: split {split!r} has no number {metric!r}")
-    return float(value)
-
-
 def _stats_drops(args: argparse.Namespace) -> dict:
-    drops, models = [], []
-    for path in args.results:
-        reference = _split_metric(path, args.reference, args.metric)
-        shifted = _split_metric(path, args.shifted, args.metric)
-        drops.append(reference - shifted)
-        data = json.loads(pathlib.Path(path).read_text())
-        models.append(data.get("model", path))
-    result = {
-        "models": models,
-        "metric": args.metric,
-        "reference": args.reference,
-        "shifted": args.shifted,
-        "drops": drops,
-    }
+    result = _call(inputs.drops, args.results, args.metric, args.reference, args.shifted)
     if args.out:
         files.write_atomic(pathlib.Path(args.out), json.dumps(result, indent=2) + "\n")
     lines = [
         f"{m}: {args.metric} {args.reference} - {args.shifted} = {d:.4f}"
-        for m, d in zip(models, drops)
+        for m, d in zip(result["models"], result["drops"])
+    ]
+    return emit(args, result, lines)
+
+
+def _stats_clip_conditional(args: argparse.Namespace) -> dict:
+    from ood_jax.eval import clip_baseline
+
+    try:
+        result = clip_baseline.conditional_accuracy(args.lvlm, args.clip)
+    except (ValueError, FileNotFoundError) as e:
+        raise _fail(str(e)) from None
+    lines = [
+        f"items: {result['num_items']}; CLIP accuracy {result['clip_accuracy']:.4f}, "
+        f"LVLM accuracy {result['lvlm_accuracy']:.4f}",
+        f"LVLM accuracy where CLIP is right: {result['clip_correct']['lvlm_accuracy']:.4f} "
+        f"({result['clip_correct']['count']} items)",
+        f"LVLM accuracy where CLIP is wrong: {result['clip_wrong']['lvlm_accuracy']:.4f} "
+        f"({result['clip_wrong']['count']} items)",
     ]
     return emit(args, result, lines)

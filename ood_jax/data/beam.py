@@ -1,35 +1,10 @@
 """Our TFDS builds on Apache Beam, through TFDS's own Beam support (`--beam-runner`).
 
-A builder plans its work in `_split_generators`, in the driver: it reads and validates the
-annotations and turns each split into a list of work items, so bad annotations fail before
-anything is written. One function per builder turns an item into its (key, example) pairs and
-counts what it skipped or dropped in a `BuildReport` (`building.ExampleFn`). A single-process
-build calls it in a loop; a Beam build calls it on the workers (`Build.split`), and TFDS's
-`BeamWriter` writes the examples as its single-process writer does: the same keys, examples and
-shards.
-
-Workers share a filesystem with the driver (TFDS's data_dir must be one: they write its
-shards), not its memory, so what passes between them goes through files in a work directory
-inside the dataset's incomplete directory (TFDS removes it with a failed build; the driver
-removes the work directory once the pipeline has run):
-
-- the plan: the items, in chunks. The pipeline carries only the chunks' paths, as runners cap
-  a job's size (Dataflow's graph at 10 MB; COUNTS' 222k images with their boxes, embedded by
-  `beam.Create`, would exceed it).
-- reports: a worker writes each chunk's `BuildReport`, and how many of its items gave
-  examples, when it has made the chunk's examples, under the chunk's name, so a retried or
-  duplicated bundle rewrites the same report and nothing is counted twice. The driver
-  merges them in plan order, so the build's report is the single-process build's, down to the
-  order of the skipped images. (Beam metrics would carry counts but not which images were
-  skipped and why, and not every runner reports committed metrics. A second output of the DoFn
-  collected by the pipeline would come back only if the pipeline succeeds, but TFDS's writer
-  fails a split without examples inside the pipeline, and such a split must still fail with the
-  single-process build's message, naming it.)
-- failures: with on_error="fail", a worker that meets a `BuildError` writes it before raising
-  it. A runner hands the driver a worker's exception wrapped in its own, or only as text; the
-  driver raises the first one in plan order as the `BuildError` itself instead.
-
-The single-process build's progress bar is not drawn: the runner shows its own progress.
+The driver plans each split (`_split_generators` reads and validates the annotations, so bad
+annotations fail before anything is written) into chunks of work items; workers turn items into
+examples with the same per-item function as a single-process build, and TFDS's `BeamWriter`
+writes the same keys, examples and shards. What workers skip or meet comes back through files
+in a work directory, so the build's report and errors are the single-process build's.
 """
 
 from __future__ import annotations
@@ -53,7 +28,10 @@ from ood_jax.data import building
 # Items per plan file, a worker's unit of work: large enough that reading a chunk costs little
 # next to reading its images, small enough to spread a build over many workers.
 CHUNK_SIZE = 256
-# In the directory TFDS writes the dataset to while it is incomplete (`Build`).
+# In the directory TFDS writes the dataset to while it is incomplete (`Build`). Workers share a
+# filesystem with the driver (TFDS's data_dir must be one: they write its shards), not its
+# memory, so what passes between them goes through files here. TFDS removes it with a failed
+# build; the driver removes it once the pipeline has run.
 WORK_DIR = "ood_jax_beam"
 
 
@@ -81,6 +59,8 @@ class Build:
 
     def split(self, name: str, items: Sequence[Any], example_fn: building.ExampleFn):
         """What `_split_generators` returns for split `name`: a PTransform of its examples."""
+        # The pipeline carries only the chunks' paths: runners cap a job's size (Dataflow's graph
+        # at 10 MB), which COUNTS' 222k images with their boxes, embedded by `beam.Create`, exceed.
         plan = self._work_dir / "plan" / name
         plan.mkdir(parents=True)
         chunks = []
@@ -125,6 +105,12 @@ class Build:
     def _merge_reports(self, report: building.BuildReport) -> _Split | None:
         """Merges the splits' reports into `report` in plan order, failing at the first split
         without examples, until a split with reports missing, which it returns."""
+        # Reports come through files, not Beam metrics (counts, but not which images were
+        # skipped and why, and not every runner reports committed metrics) nor a second output
+        # of the DoFn (it comes back only if the pipeline succeeds, but TFDS's writer fails a
+        # split without examples inside the pipeline, which must still fail with the
+        # single-process build's message, naming it). Merged in plan order, the report is the
+        # single-process build's, down to the order of the skipped images.
         for split in self._splits:
             paths = sorted(split.reports.glob("*.pkl"))
             if len(paths) < split.num_chunks:
@@ -167,11 +153,15 @@ class _Examples(beam.DoFn):
             try:
                 examples = self._example_fn(item, report)
             except building.BuildError as error:
+                # A runner hands the driver a worker's exception wrapped in its own, or only as
+                # text; the driver raises the first of these files as the BuildError itself.
                 name = f"{self._split_index:04d}-{index * CHUNK_SIZE + offset:010d}.txt"
                 files.write_atomic(self._failures / name, str(error))
                 raise
             written += bool(examples)
             yield from examples
+        # Written once the chunk's examples are made, under the chunk's name, so a retried or
+        # duplicated bundle rewrites the same report and nothing is counted twice.
         files.write_atomic(self._reports / f"{index:06d}.pkl", pickle.dumps((report, written)))
 
 

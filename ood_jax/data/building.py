@@ -1,23 +1,10 @@
 """What every TFDS builder of ours shares: reading source files strictly and reporting.
 
-A builder reads a dataset's own release layout. Bad source data fails the build with the file,
-record or field named (`BuildError`), except where the user chose `on_error="skip"` for
-unreadable images, which are then counted. Boxes are cleaned the same way everywhere: boxes of
-non-positive size are dropped, boxes past the image edge clipped, and both counted.
-
-TFDS writes a dataset into a temporary `.incomplete` directory and renames it only when every
-split is written, so a failed build never leaves something a reader could take for a dataset.
-A builder fails, naming the file or split, rather than write an empty split or nothing at all:
-TFDS cannot write an empty split, and a dataset missing one would look finished. Where it can,
-it checks before anything is written (in `_split_generators`); a split whose every image is
-skipped can only be found while it is written (`no_examples`).
-
-A build records where it came from (`BuildRecord`, `RECORD_FILE` in the dataset's directory):
-the source directory and a SHA-256 of each file the builder reads other than images (each
-builder's `source_files` names them), or the generator settings of a synthetic builder, so a
-rebuild can tell the same source from another one.
-
-The builders' mixins are `ood_jax.data.builders`; Beam builds, `ood_jax.data.beam`.
+Bad source data fails the build naming the file, record or field (`BuildError`), unless
+`on_error="skip"` lets unreadable images be skipped and counted; boxes are cleaned and counted
+the same way everywhere (`clean_boxes`). A build records where it came from (`BuildRecord`),
+so a rebuild can tell the same source from another. The builders' mixins are
+`ood_jax.data.builders`; Beam builds, `ood_jax.data.beam`.
 """
 
 from __future__ import annotations
@@ -209,6 +196,9 @@ def clean_boxes(
     return box_lib.xyxy_to_yxyx(normalized).astype(np.float32).reshape(-1, 4), kept
 
 
+# TFDS cannot write an empty split, and a dataset missing one would look finished, so a builder
+# fails, naming the file or split, before writing anything where it can (`_split_generators`);
+# a split whose every image is skipped can only be found while it is written.
 def no_examples(split: str, images: int) -> BuildError:
     """The error of a split whose every image was skipped while it was written."""
     return BuildError(
@@ -286,7 +276,9 @@ class Origin:
 
 @dataclasses.dataclass(frozen=True)
 class BuildRecord:
-    """The provenance of one built dataset, stored as RECORD_FILE in its directory."""
+    """The provenance of one built dataset, stored as RECORD_FILE in its directory: the source
+    directory and a SHA-256 of each file the builder reads other than images (each builder's
+    `source_files` names them), or the generator settings of a synthetic builder."""
 
     builder: str
     config: str | None

@@ -1,17 +1,10 @@
 """What every `ood-jax convert` converter writes: an oodbench source, and where it came from.
 
-A converter (convert_nuscenes, convert_cityscapes) reads a release with its official devkit
-and writes, into OUT, the layout `ood_jax.data.oodbench` reads:
-
-    OUT/ood_jax_convert.json  the conversion's identity (converter, release, split, ...), the
-                              versions and tables it used, its counts
-    OUT/images                a symbolic link to the release, so no image is copied and each
-                              `file_name` is the release's own relative path
-    OUT/annotations.json      COCO instances
-
-in that order, so a killed run leaves a record without annotations.json (which no reader takes
-for a finished source, and a rerun of the same conversion completes), never annotations that no
-record describes. Rerunning the same conversion rewrites OUT; any other is refused.
+A converter (convert_nuscenes, convert_cityscapes) reads a release with its official devkit and
+writes, into OUT, the layout `ood_jax.data.oodbench` reads: `ood_jax_convert.json` (the
+conversion's identity, versions, tables and counts), `images` (a symbolic link to the release:
+no image is copied) and `annotations.json` (COCO instances). Rerunning the same conversion
+rewrites OUT; any other is refused.
 """
 
 from __future__ import annotations
@@ -58,8 +51,11 @@ def write(
     record: dict[str, Any],
     coco: dict[str, Any],
 ) -> None:
-    """Writes the record, the images link to `release` and the COCO annotations (module doc),
-    into an OUT that `claim` accepted."""
+    """Writes the record, the images link to `release` (each `file_name` is the release's own
+    relative path) and the COCO annotations, into an OUT that `claim` accepted."""
+    # In this order, so a killed run leaves a record without annotations.json (which no reader
+    # takes for a finished source, and a rerun of the same conversion completes), never
+    # annotations that no record describes.
     out.mkdir(parents=True, exist_ok=True)
     files.write_json_atomic(out / RECORD_FILE, record)
     if not os.path.lexists(out / IMAGES_LINK):

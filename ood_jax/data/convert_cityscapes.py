@@ -35,7 +35,6 @@ formula). A polygon with no area inside the image is skipped and counted.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import importlib.metadata
 import os
@@ -44,7 +43,7 @@ from typing import Any
 
 from PIL import Image
 
-from ood_jax import __version__, help_text
+from ood_jax import __version__
 from ood_jax.data import building, conversion
 
 # Cityscapes label -> the category name a question asks about. Order gives the category ids.
@@ -370,61 +369,3 @@ def convert(root: str | os.PathLike, split: str, out: str | os.PathLike) -> dict
     }
     conversion.write(out, root, record, coco)
     return summary
-
-
-# ---------------------------------------------------------------------------------------------
-# Command line
-# ---------------------------------------------------------------------------------------------
-
-
-def _counts(counts: dict) -> str:
-    return ", ".join(f"{name} {n}" for name, n in counts.items()) or "none"
-
-
-def _run(args: argparse.Namespace) -> None:
-    summary = convert(args.root, args.split, args.out)
-    out = pathlib.Path(args.out)
-    print(
-        f"cityscapes {summary['split']}: {summary['images']} images -> {out / 'annotations.json'}"
-        f" (images: {out / 'images'} -> {pathlib.Path(args.root).resolve()})\n"
-        f"  counted (iscrowd 0): {_counts(summary['instances'])}\n"
-        f"  present, not counted (iscrowd 1): {_counts(summary['regions'])}\n"
-        f"  dropped labels: {_counts(summary['dropped'])}\n"
-        f"  ignored polygons: {_counts(summary['ignored'])}\n"
-        f"next: ood-jax mine oodbench --source {out} --scorer MODEL --out {out / 'splits.jsonl'}"
-    )
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Registers `cityscapes` on a subparsers object (`ood-jax convert`'s)."""
-    parser = subparsers.add_parser(
-        "cityscapes",
-        help="Cityscapes' gtFine polygons -> an OODBench source (annotations.json, images)",
-        description=help_text.fill(
-            "Writes OUT/annotations.json (COCO instances: people and vehicles counted, groups "
-            "and stuff such as road or sky as present but not counted, void and ambiguous "
-            "labels dropped), OUT/images (a link to ROOT, nothing copied) and "
-            f"OUT/{conversion.RECORD_FILE} (where it came from, the label table, the counts). The label "
-            "table is this project's: OODBench's own list is not published."
-        ),
-        epilog=help_text.examples(
-            "ood-jax convert cityscapes --root data/cityscapes --split val "
-            "--out data/oodbench_cityscapes",
-            "ood-jax convert cityscapes --root data/cityscapes --split train "
-            "--out data/cityscapes_train",
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--root", required=True, help="the release: the folder holding leftImg8bit/ and gtFine/"
-    )
-    parser.add_argument(
-        "--split",
-        default="val",
-        help="train or val (default: val, OODBench's; the test split's labels are not public)",
-    )
-    parser.add_argument(
-        "--out", required=True, help="the OODBench source directory to write (build --source)"
-    )
-    parser.set_defaults(run=_run)
-    return parser

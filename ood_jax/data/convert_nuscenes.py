@@ -35,7 +35,6 @@ car answers "no car" and ids do not depend on the split.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import datetime
 import importlib.metadata
@@ -45,7 +44,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ood_jax import __version__, help_text
+from ood_jax import __version__
 from ood_jax.data import building, conversion
 
 CONVERTER = "ood_jax.data.convert_nuscenes"
@@ -341,18 +340,6 @@ def convert(
     return counts
 
 
-# ---------------------------------------------------------------------------------------------
-# `ood-jax convert nuscenes`
-# ---------------------------------------------------------------------------------------------
-
-EXAMPLES = (
-    "ood-jax convert nuscenes --dataroot /data/sets/nuscenes --version v1.0-trainval "
-    "--split val --out data/sources/oodbench_nuscenes",
-    "ood-jax convert nuscenes --dataroot /data/sets/nuscenes --version v1.0-mini "
-    "--split mini_val --out data/sources/nuscenes_mini --visibility all",
-)
-
-
 def summary_lines(counts: dict[str, Any], out: str | pathlib.Path) -> str:
     boxes = sum(counts["annotations"].values())
     lines = [
@@ -363,48 +350,3 @@ def summary_lines(counts: dict[str, Any], out: str | pathlib.Path) -> str:
     if counts["scenes_not_in_tables"]:
         lines.append(f"scenes of the split not in the tables: {counts['scenes_not_in_tables']}")
     return "\n".join(lines)
-
-
-def _run(args: argparse.Namespace) -> None:
-    print(f"nuScenes {args.version} {args.split} from {args.dataroot}: loading the tables")
-    counts = convert(args.dataroot, args.version, args.split, args.out, visibility=args.visibility)
-    print(summary_lines(counts, args.out))
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Adds `nuscenes` (run by `args.run(args)`) to a subparsers object, e.g. `ood-jax convert`'s."""
-    p = subparsers.add_parser(
-        "nuscenes",
-        help="nuScenes CAM_FRONT keyframes -> an oodbench source (COCO annotations.json)",
-        description=help_text.fill(
-            "Writes a nuScenes split's front-camera keyframes, with the objects each shows by the "
-            "devkit's visibility rule, as OUT/annotations.json (COCO), OUT/images (a link to the "
-            "dataroot) and OUT/ood_jax_convert.json (provenance). OODBench uses v1.0-trainval "
-            "val (6,019 keyframes)."
-        ),
-        epilog=help_text.examples(*EXAMPLES),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "--dataroot", required=True, help="nuScenes folder holding samples/ and the version tables"
-    )
-    p.add_argument(
-        "--version",
-        required=True,
-        help=f"table folder in the dataroot: {', '.join(SPLITS)}",
-    )
-    p.add_argument(
-        "--split",
-        required=True,
-        help="; ".join(f"{version}: {', '.join(splits)}" for version, splits in SPLITS.items()),
-    )
-    p.add_argument("--out", required=True, help="oodbench source directory to write")
-    p.add_argument(
-        "--visibility",
-        choices=tuple(VISIBILITY_RULES),
-        default="any",
-        help="an object counts when any (default) or all of its 3D box's corners project "
-        "inside the image",
-    )
-    p.set_defaults(run=_run)
-    return p

@@ -1,17 +1,9 @@
 """How a corrupted dataset (`tfds_builders/corrupted`) is asked for and named.
 
-A `Request` says which prepared dataset ("NAME" or "NAME/CONFIG"), which of its splits, which
-corruptions (`corruptions.NAMES`) and which severities. Its config name is readable and
-collision-free: the source's name and a digest of the canonical request, e.g.
-`synthetic_shifts-tiny-3f9a0c51d2`, so two requests never share a directory and the same request
-always finds its own (`Request.config_name`); the request itself is in the dataset's
-description and build record.
-
-Splits: one per source split and corruption and severity, `{split}__{corruption}_{severity}`,
-e.g. `test_sky__gaussian_noise_3`, and the source split itself, unchanged, as `{split}__clean`
-(the clean reference of rPC). Source split names may hold single underscores (`train_snow`,
-`ood_s`) and so do corruption names, never two in a row, so the last `__` separates them
-(`parse_split_name`); a source split holding `__` is refused.
+A `Request` says which prepared dataset, which of its splits, which corruptions and which
+severities; its config name (`Request.config_name`, e.g. `synthetic_shifts-tiny-3f9a0c51d2`) is
+readable and collision-free. Each source split gives `{split}__clean` and one
+`{split}__{corruption}_{severity}` per corruption and severity (`split_name`).
 """
 
 from __future__ import annotations
@@ -25,6 +17,8 @@ from typing import NamedTuple
 
 from ood_jax.data import corruptions
 
+# Source split names (`train_snow`, `ood_s`) and corruption names hold single underscores, never
+# two in a row, so the last "__" separates them; a source split holding "__" is refused.
 SEPARATOR = "__"
 CLEAN = "clean"
 _DIGEST_CHARS = 10
@@ -138,6 +132,8 @@ class Request:
         }
 
     def config_name(self) -> str:
+        """The source's name and a digest of the canonical request: two requests never share a
+        directory, and the same request always finds its own."""
         digest = hashlib.sha256(json.dumps(self.settings(), sort_keys=True).encode())
         return f"{self.dataset.replace('/', '-')}-{digest.hexdigest()[:_DIGEST_CHARS]}"
 

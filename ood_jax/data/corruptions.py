@@ -1,31 +1,10 @@
 """The 15 ImageNet-C corruptions at 5 severities, as the `imagecorruptions` package applies them.
 
-`imagecorruptions` 1.1.2 (Michaelis et al., "Benchmarking Robustness in Object Detection", 2019:
-Hendrycks & Dietterich's ImageNet-C code, packaged for COCO-C) is the corruption code; nothing
-here reimplements a corruption. Its `corruptions.py` no longer imports or runs on today's stack,
-so it is compiled here from the installed package's own file with a few one-line substitutions
-(`_COMPAT`), each of which must occur exactly as listed, so another release fails loudly instead
-of being patched blindly:
-
-- `pkg_resources` (gone from setuptools) located the frost textures: replaced by the path of
-  the same files in the installed package, found without importing it (`importlib.util`);
-- `scipy.ndimage.interpolation` (deprecated, removed in SciPy 2): the same `map_coordinates`
-  from `scipy.ndimage`;
-- `np.float_` (removed in NumPy 2): `np.float64`, which it always was;
-- scikit-image's `gaussian(..., multichannel=True)` (gone; today's spelling is
-  `channel_axis=-1`): `channel_axis=-1`;
-- scikit-image's `random_noise` (impulse noise) now draws from a fresh `Generator` when given
-  no `rng`, not from NumPy's global RNG, so it is given a seed drawn from the global RNG.
-
-The package itself is not imported (its `__init__` imports the broken module), so it needs no
-shim in `sys.modules` and nothing global is changed. `corrupt` applies a corruption as the
-package's own `imagecorruptions.corrupt` does (a PIL image in, `np.uint8` of the result out), then
-checks that the shape is the input's, which boxes rely on. tests/test_corruptions.py checks each
-corruption against the unmodified package's `corrupt`.
-
-Randomness: the corruptions draw from NumPy's global RNG. `corrupt` seeds it from `seed` (use
-`seed_of` on what identifies the image and the corruption, so a rebuild is byte-identical),
-under a lock (two threads would interleave draws), and restores the caller's RNG state after.
+`imagecorruptions` 1.1.2 (Michaelis et al., 2019: Hendrycks & Dietterich's ImageNet-C code,
+packaged for COCO-C) is the corruption code; nothing here reimplements one. Its `corruptions.py`
+no longer runs on today's stack, so it is compiled from the installed file with a few one-line
+substitutions (`_COMPAT`), without importing the package. `corrupt` applies a corruption as the
+package's `corrupt` does, seeded, so a rebuild is byte-identical (tests/test_corruptions.py).
 """
 
 from __future__ import annotations
@@ -54,16 +33,21 @@ PACKAGE_VERSION = "1.1.2"
 # The package's corruptions.py works on images of at least this many pixels a side.
 MIN_SIZE = 32
 
-# (text in imagecorruptions/corruptions.py, replacement, how many times it occurs).
+# (text in imagecorruptions/corruptions.py, replacement, how many times it occurs). Each must
+# occur exactly so, so that another release fails loudly instead of being patched blindly.
 _COMPAT = (
+    # pkg_resources is gone from setuptools; `_resource_filename` finds the frost textures.
     ("from pkg_resources import resource_filename\n", "", 1),
+    # scipy.ndimage.interpolation is removed in SciPy 2.
     (
         "from scipy.ndimage.interpolation import map_coordinates\n",
         "from scipy.ndimage import map_coordinates\n",
         1,
     ),
-    ("dtype=np.float_)", "dtype=np.float64)", 1),
-    ("multichannel=True)", "channel_axis=-1)", 3),
+    ("dtype=np.float_)", "dtype=np.float64)", 1),  # removed in NumPy 2; it always was float64
+    ("multichannel=True)", "channel_axis=-1)", 3),  # scikit-image's gaussian: today's spelling
+    # scikit-image's random_noise (impulse noise) now draws from a fresh Generator when given no
+    # rng, not from NumPy's global RNG: give it a seed drawn from the global RNG.
     ("mode='s&p', amount=c)", "mode='s&p', amount=c, rng=np.random.randint(2**31))", 1),
 )
 
@@ -90,7 +74,11 @@ def _resource_filename(package: str, name: str) -> str:
 
 @functools.cache
 def package_module() -> types.ModuleType:
-    """imagecorruptions' corruptions.py, compiled with the `_COMPAT` substitutions."""
+    """imagecorruptions' corruptions.py, compiled with the `_COMPAT` substitutions.
+
+    The package itself is never imported (its `__init__` imports the broken module), so no shim
+    goes into `sys.modules` and nothing global changes.
+    """
     path = _package_dir() / "corruptions.py"
     source = path.read_text(encoding="utf-8")
     for old, new, count in _COMPAT:
@@ -124,7 +112,8 @@ def check(name: str, severity: int) -> None:
 
 def corrupt(image: np.ndarray, name: str, severity: int, seed: int) -> np.ndarray:
     """`image` (uint8, [H, W, 3], H and W >= 32) under corruption `name` at `severity` (1-5),
-    drawing its randomness from `seed`; uint8 of the same shape."""
+    drawing its randomness from `seed` (`seed_of` what identifies the image and the corruption,
+    so a rebuild is byte-identical); uint8 of the same shape."""
     check(name, severity)
     image = np.asarray(image)
     if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
@@ -133,6 +122,8 @@ def corrupt(image: np.ndarray, name: str, severity: int, seed: int) -> np.ndarra
         raise ValueError(f"{PACKAGE} needs images of at least {MIN_SIZE} px, got {image.shape}")
     function = getattr(package_module(), name)
     words = [(seed >> (32 * i)) & 0xFFFFFFFF for i in range(4)]
+    # The corruptions draw from NumPy's global RNG: seed it under a lock (two threads would
+    # interleave draws) and give the caller its state back after.
     with _RNG_LOCK:
         state = np.random.get_state()
         np.random.seed(words)
@@ -141,6 +132,6 @@ def corrupt(image: np.ndarray, name: str, severity: int, seed: int) -> np.ndarra
             out = np.uint8(function(Image.fromarray(image), severity))
         finally:
             np.random.set_state(state)
-    if out.shape != image.shape:
+    if out.shape != image.shape:  # boxes rely on it
         raise RuntimeError(f"{name} at severity {severity} gave {out.shape} for {image.shape}")
     return out

@@ -1,27 +1,10 @@
 """COUNTS' label space, its 14 domains, and O(OD)^2 split expressions.
 
 Every detection dataset here (COUNTS and the synthetic stand-in) stores each image once, in the
-split of its source split and its domains: `{split}_{domain}` for an image of one domain, and
-`{split}_{d1}_{d2}...` (DOMAINS order) for an image of several (COUNTS' Table 6 counts about
-25k of its 222k images in more than one domain). Domain names hold no underscore, so a split
-name reads back unambiguously (`parse_split_name`).
-
-O(OD)^2 is defined on images, and so on these splits:
-
-    train of targets T      every training image none of whose domains is in T
-    test of target t        every test image that carries t
-    iid                     every test image none of whose domains is in T
-
-Each is a union of whole splits, so a TFDS split expression such as "train_dim+train_snow"
-(`held_out_split_expressions`, given the splits a build has), and no image is read twice in
-one epoch.
-
-`hold_out_windows` takes a seed-chosen slice out of such a union (model selection's
-training-domain validation set): from each split a contiguous window of its records, by
-absolute position, so the slice and what is left are again TFDS split expressions (e.g.
-"train_dim[:3]+train_dim[5:]" and "train_dim[3:5]"), disjoint and together the whole union.
-TFDS writes a split's records in an order shuffled by key, so a window is a random sample of
-the split's images, and a pure function of the seed and the build.
+split of its source split and its domains: `{split}_{domain}`, or `{split}_{d1}_{d2}...` (DOMAINS
+order) for an image of several. O(OD)^2 is defined on images, so its training, in-domain and
+per-target sets are unions of whole splits: TFDS split expressions such as
+"train_dim+train_snow" (`held_out_split_expressions`; docs/guide/datasets.md).
 """
 
 from __future__ import annotations
@@ -121,10 +104,12 @@ def held_out_split_expressions(
     train_split: str = "train",
     test_split: str = "test",
 ) -> dict[str, str]:
-    """O(OD)^2 over a build's splits `available`: train on the images of no target domain;
-    test in-domain and on each target (module doc).
+    """O(OD)^2 over a build's splits `available`: train on every training image none of whose
+    domains is a target; test in-domain on every test image none of whose domains is a target,
+    and on each target t on every test image that carries t. Each is a union of whole splits, so
+    no image is read twice in an epoch.
 
-    Returns {"train": ..., "iid": <test images of no target domain>, <target>: ...}.
+    Returns {"train": ..., "iid": ..., <target>: ...}.
     """
     targets = ordered_domains(targets)
     sources = [d for d in DOMAINS if d not in targets]
@@ -145,6 +130,11 @@ def hold_out_windows(
     """(kept, held out): the "+" union of whole splits `expression` without, and as, a window of
     round(fraction * n) consecutive records of each of its splits (n records, `sizes[name]`),
     the window's start drawn from (seed, split name). Either side is "" when it holds nothing.
+
+    Both sides are again split expressions (e.g. "train_dim[:3]+train_dim[5:]" and
+    "train_dim[3:5]"), disjoint and together the whole union. TFDS writes a split's records in an
+    order shuffled by key, so a window is a random sample of the split's images, and a pure
+    function of the seed and the build.
     """
     if not 0 <= fraction < 1:
         raise ValueError(f"a held-out fraction must be in [0, 1), got {fraction}")

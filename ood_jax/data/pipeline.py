@@ -1,57 +1,9 @@
 """Detection input pipeline: TFDS records -> augmented, padded host batches (numpy).
 
-`ood_jax.sharding.start_global` turns the host batches into global jax.Arrays.
-
-A batch is a flat dict of numpy arrays (B = per-host batch, S = `image_size`, M = `max_boxes`):
-
-  image       float32 [B, S, S, 3]  ImageNet-normalized; the resized image sits at the top-left
-                                    of an S x S canvas, zeros elsewhere.
-  image_mask  bool    [B, S, S]     True on real pixels, False on padding.
-  image_size  int32   [B, 2]        (height, width) of the resized image on the canvas.
-  orig_size   int32   [B, 2]        (height, width) of the source image as decoded.
-  boxes       float32 [B, M, 4]     normalized cxcywh RELATIVE TO THE UNPADDED IMAGE (the
-                                    `image_size` region), as DETR does; `boxes_on_canvas` maps them
-                                    to the S x S canvas, `coco_boxes` to source pixels.
-  labels      int32   [B, M]        class index (the dataset's ClassLabel).
-  box_mask    bool    [B, M]        True on real targets. Crowd boxes are never targets (DETR
-                                    drops iscrowd); nor are boxes a crop left empty. Beyond M
-                                    boxes the rest are dropped, in record order.
-  domain      int32   [B]
-  valid       bool    [B]           False on the dummy examples that fill eval's last batch.
-  image_id    int64   [B]           eval only; stays on the host (jax without x64 would
-                                    truncate it), for COCO output.
-
-Training (`train_dataset`) follows DETR's recipe: horizontal flip; with probability `crop_prob`
-a random crop (each side a uniform fraction in [`crop_min_fraction`, 1] of the image's side,
-standing in for DETR's resize-then-RandomSizeCrop(384, 600)) that clips boxes and drops those
-left empty; then a resize whose shorter side is drawn from `scales` with the longer side capped
-at `max_size`. Evaluation (`eval_dataset`) resizes the shorter side to `eval_size`, same cap.
-
-Determinism and resume. All randomness is stateless and derived from (seed, epoch, position in
-the epoch): the order of record files and the shuffle buffer's seed from (seed, epoch), each
-example's augmentation from (seed, epoch, position). Epochs follow one another without a gap,
-and a batch may straddle two. Hence the contract:
-
-    train_dataset(..., start_step=k) yields exactly the batches k, k+1, ... that
-    train_dataset(..., start_step=0) yields, for the same config, split and process layout.
-
-A resume starts directly at the right epoch; within it, the records before the resume point are
-read and shuffled but, being skipped before parsing, never decoded or augmented. Changing the
-seed, split, batch size or shuffle buffer changes the sequence. (A global TF seed,
-`tf.random.set_seed`, also enters tf.data's shuffle and so must be the same on resume.)
-
-Several processes. Every process reads the one global order above and keeps its rows of each
-global batch (`rows`, `process_rows`); the others' records are skipped before parsing. So the
-global batch of a step holds the same examples, augmented the same way, whatever the number of
-processes: a pod run's data can be replayed on one machine. The price is that each process
-reads every record's bytes (not decodes: that stays split), as TFRecord files allow no random
-access. Evaluation splits its global batches the same way.
-
-Typical use, on every host:
-
-    batches = train_iterator(builder, "train_dim+train_snow", config, start_step=step)
-    for batch, _ in sharding.start_global(batches, data_sharding, HOST_ONLY_KEYS):
-        state = train_step(state, batch)
+`ood_jax.sharding.start_global` turns the host batches into global jax.Arrays. All randomness is
+stateless in (seed, epoch, position), so a resumed run, or one on another number of processes,
+sees the same global batches. Batch format, augmentation and the resume contract:
+docs/reference/data.pipeline.md.
 """
 
 from __future__ import annotations
@@ -343,7 +295,8 @@ def train_dataset(
     """Endless training batches of `split`, starting at step `start_step`: rows [first, stop)
     of each global batch (`rows`, by default this JAX process's share, `process_rows`).
 
-    See the module docstring for the resume contract.
+    `train_dataset(..., start_step=k)` yields exactly the batches k, k+1, ... that
+    `start_step=0` yields, for the same config, split and process layout.
     """
     c = _checked(config)
     rows = _checked_rows(rows, c.batch_size)
@@ -376,6 +329,9 @@ def train_dataset(
     def example(key: tf.Tensor, record: tf.Tensor) -> dict[str, tf.Tensor]:
         return _train_example(_decoded(builder, record), key, c)
 
+    # Records before the resume point (and other processes' rows) are read and shuffled, to keep
+    # the global order, but skipped before parsing, so never decoded or augmented. Every process
+    # reads every record's bytes: TFRecord files allow no random access.
     stream = tf.data.Dataset.counter(first_epoch).flat_map(epoch).skip(offset)
     return (
         _keep_rows(stream, rows, c.batch_size)

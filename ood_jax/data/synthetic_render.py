@@ -1,29 +1,10 @@
 """Procedural stand-in for COUNTS: the ``synthetic`` (synthetic_shifts) detection dataset.
 
-COUNTS (Li et al.) is a detection benchmark with 14 natural distribution-shift
-domains.  This module renders a small, fully synthetic detection dataset with the
-same 14 domains so that a DETR-style detector can be trained on a few domains on
-CPU in minutes and still show a real in-domain vs. held-out-domain gap.  It is
-*always* synthetic: nothing here comes from, or claims to look like, the real
-COUNTS images.
-
-Objects are 8 classes, each with a distinct silhouette *and* its own canonical
-texture/colour family, so both shape and texture carry the label.  Domains are
-genuine appearance shifts of the background, of the objects, or of the whole image.
-
-Only numpy is used (everything is vectorised over pixels; no per-pixel Python
-loops); a 128-160 px image renders in a few milliseconds.  Rendering is a pure
-function of the ``np.random.Generator`` state.
-
-Annotations follow COCO conventions:
-
-* ``boxes``: float32 ``[n, 4]`` absolute-pixel ``[x, y, w, h]``; the tight box
-  of the object's own mask *before* occlusion by other objects/occluders,
-  clipped to the image (box edges lie on pixel boundaries).
-* ``area``: float32 ``[n]``; number of *visible* pixels of the object's mask
-  (after occlusion), like COCO segmentation areas, so ``area <= w * h``.
-* ``labels``: int32 ``[n]`` indices into :data:`CLASS_NAMES`.
-* ``is_crowd``: bool ``[n]``; always False.
+Renders a small, fully synthetic detection dataset in COUNTS' 14 domains, so that a DETR-style
+detector trains on a few domains on CPU in minutes and still shows a real in-domain vs.
+held-out gap. It is *always* synthetic: nothing here comes from, or claims to look like, the
+real COUNTS images. Rendering is vectorized numpy, a pure function of the generator's state
+(docs/guide/datasets.md#the-synthetic-set).
 """
 
 from __future__ import annotations
@@ -1041,8 +1022,10 @@ def render_example(
 
     Returns:
       dict with ``image`` uint8 [size, size, 3], ``boxes`` float32 [n, 4] (x, y, w, h
-      absolute pixels), ``labels`` int32 [n], ``area`` float32 [n] (visible pixel
-      count), ``is_crowd`` bool [n].
+      absolute pixels: the tight box of the object's own mask before occlusion, clipped to
+      the image, edges on pixel boundaries), ``labels`` int32 [n] (indices into
+      :data:`CLASS_NAMES`), ``area`` float32 [n] (visible pixel count after occlusion, like
+      COCO segmentation areas, so ``area <= w * h``), ``is_crowd`` bool [n] (always False).
     """
     if domain not in _DOMAIN_INDEX:
         raise ValueError(f"unknown synthetic domain {domain!r}; expected one of {DOMAINS}")

@@ -1,40 +1,22 @@
-"""`ood-jax compare-detectors WORKDIR_A WORKDIR_B`: a paired bootstrap of two detectors' AP.
-
-Both workdirs were evaluated on the same splits (the same images, the same ground truth), and
-each holds its per-image matches (`matches.npz`, written with results.json). A resample draws
-each split's images with replacement once, and both detectors are scored on that same draw, so
-the spread of A - B leaves out how hard the drawn images happen to be, which both share; the
-held-out domains are resampled independently of each other for the OOD average, as
-results.json's intervals are. Nothing is matched again (`metrics.bootstrap`).
-
-`add_parsers(subparsers)` adds the command to the `ood-jax` parser; `compare(...)` is the same
-thing as a function. This module also owns the matches file's format.
-"""
+"""A paired bootstrap of two detectors' AP on the same splits (`ood-jax compare-detectors`),
+from the per-image matches each workdir keeps; this module owns that file (matches.npz). How the
+resamples are paired: docs/guide/detectors.md, "Intervals and comparing detectors"."""
 
 from __future__ import annotations
 
-import argparse
 import io
-import json
 import pathlib
 from typing import Any, Mapping
 
 import numpy as np
 
-from ood_jax import files, help_text
+from ood_jax import files
 from ood_jax.metrics import bootstrap, coco
 
 MATCHES_FILE = "matches.npz"
 _FORMAT = 1
 STATS = bootstrap.STATS
-
-DESCRIPTION = (
-    "Paired bootstrap of two detectors' COCO AP on the same splits: for each split (iid and "
-    "every held-out domain) and for the OOD average, A's AP, B's AP, A - B with its percentile "
-    "interval and a two-sided bootstrap p-value. Both are scored on the same resamples of each "
-    "split's images, from the per-image matches evaluation saved in each workdir (matches.npz); "
-    "it refuses workdirs whose splits, images or ground truth differ."
-)
+DEFAULT_RESAMPLES = 1000
 
 
 def write_matches(workdir: str | pathlib.Path, matches: Mapping[str, coco.Matches]) -> None:
@@ -115,7 +97,7 @@ def check_comparable(
 def paired(
     a: Mapping[str, coco.Matches],
     b: Mapping[str, coco.Matches],
-    resamples: int = 1000,
+    resamples: int = DEFAULT_RESAMPLES,
     seed: int = 0,
     confidence: float = 0.95,
 ) -> dict[str, Any]:
@@ -178,7 +160,7 @@ def _finite(value: float) -> float | None:
 def compare(
     workdir_a: str | pathlib.Path,
     workdir_b: str | pathlib.Path,
-    resamples: int = 1000,
+    resamples: int = DEFAULT_RESAMPLES,
     seed: int = 0,
     confidence: float = 0.95,
 ) -> dict[str, Any]:
@@ -214,64 +196,3 @@ def _number(value: float | None, sign: bool = False) -> str:
     if value is None:
         return "n/a"
     return f"{value:+.3f}" if sign else f"{value:.3f}"
-
-
-def _run(args: argparse.Namespace) -> dict[str, Any]:
-    result = compare(args.workdir_a, args.workdir_b, args.resamples, args.seed, args.confidence)
-    print(json.dumps(result, indent=2) if args.json else format_table(result, args.stat))
-    return result
-
-
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _confidence(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"must be strictly between 0 and 1, got {text}")
-    return value
-
-
-def add_parsers(subparsers) -> argparse.ArgumentParser:
-    """Adds `compare-detectors` to the `ood-jax` sub-command parsers; returns its parser."""
-    p = subparsers.add_parser(
-        "compare-detectors",
-        help="paired bootstrap of two detectors' AP on the same splits",
-        description=help_text.fill(DESCRIPTION),
-        epilog=help_text.examples(
-            "ood-jax compare-detectors workdirs/detr workdirs/dino",
-            "ood-jax compare-detectors workdirs/detr workdirs/dino --stat AP50 --json",
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("workdir_a", metavar="WORKDIR_A", help="an evaluated workdir (matches.npz)")
-    p.add_argument("workdir_b", metavar="WORKDIR_B", help="another, evaluated on the same splits")
-    p.add_argument(
-        "--resamples",
-        type=_at_least_one,
-        default=1000,
-        help="bootstrap resamples of each split's images (default: 1000)",
-    )
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="seed of the resamples, >= 0; results.json's intervals use 0 (default: 0)",
-    )
-    p.add_argument(
-        "--confidence", type=_confidence, default=0.95, help="interval level (default: 0.95)"
-    )
-    p.add_argument("--stat", choices=STATS, default="AP", help="the table's stat (default: AP)")
-    p.add_argument("--json", action="store_true", help="print every stat as JSON")
-    p.set_defaults(run=_run)
-    return p

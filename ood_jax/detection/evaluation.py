@@ -14,7 +14,6 @@ from __future__ import annotations
 import io
 import pathlib
 import sys
-import time
 from typing import Any, Callable, Mapping
 
 import jax
@@ -24,7 +23,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from ood_jax import boxes as box_lib
-from ood_jax import files, sharding
+from ood_jax import files, progress, sharding
 from ood_jax.data import pipeline
 from ood_jax.detection import compare
 from ood_jax.metrics import bootstrap, coco
@@ -93,7 +92,7 @@ def evaluate_split(
     With a `name`, process 0 says how far it is ("evaluating sky: 120/400 images").
     """
     ground_truth = ground_truth or coco_ground_truth(builder, split)
-    progress = _Progress(name, len(ground_truth.image_ids)) if name else None
+    bar = _Progress(name, len(ground_truth.image_ids)) if name else None
     image_ids, boxes, scores, labels = [], [], [], []
     rows = sharding.process_rows(data_sharding, input_config.batch_size)
     batches = sharding.start_global(
@@ -118,10 +117,10 @@ def evaluate_split(
         boxes.append(np.asarray(gathered["boxes"])[keep])
         scores.append(np.asarray(gathered["scores"])[keep])
         labels.append(np.asarray(gathered["labels"])[keep])
-        if progress:
-            progress.update(int(keep.sum()))
-    if progress:
-        progress.done()
+        if bar:
+            bar.update(int(keep.sum()))
+    if bar:
+        bar.done()
     boxes = np.concatenate(boxes).astype(np.float64)
     # Degenerate predicted boxes cannot be COCO detections; give them a sliver of size rather
     # than drop them, so every query still counts against precision.
@@ -135,40 +134,21 @@ def evaluate_split(
     )
 
 
-class _Progress:
-    """`evaluating NAME: i/N images` on process 0 while a split is evaluated, and one line when
-    it is done. On a terminal the line is updated in place after every batch; elsewhere (logs,
-    CI) a line is printed at most every `every_s` seconds, so a short split gets only its last.
-    The first batch's compilation announces itself (`train.CompiledOnFirstCall`).
-    """
+class _Progress(progress.Progress):
+    """`evaluating NAME: i/N images` on stdout, from process 0, while a split is evaluated, and
+    one line when it is done (no rate: the first batch's compilation would skew it; it
+    announces itself, `train.CompiledOnFirstCall`)."""
 
-    def __init__(
-        self,
-        name: str,
-        total: int,
-        every_s: float = 10.0,
-        clock: Callable[[], float] = time.perf_counter,
-    ):
-        self.name, self.total, self.every_s, self.clock = name, total, every_s, clock
-        self.count = 0
-        self.show = jax.process_index() == 0
-        self.in_place = self.show and sys.stdout.isatty()
-        self.started = self.last = clock()
-
-    def update(self, images: int) -> None:
-        self.count += images
-        now = self.clock()
-        if self.show and (self.in_place or now - self.last >= self.every_s):
-            self.last = now
-            line = f"evaluating {self.name}: {self.count}/{self.total} images"
-            print("\r\033[K" + line if self.in_place else line, end="" if self.in_place else "\n")
-            sys.stdout.flush()
-
-    def done(self) -> None:
-        if self.show:
-            elapsed = self.clock() - self.started
-            line = f"evaluated {self.name}: {self.count} images in {elapsed:.1f} s"
-            print("\r\033[K" + line if self.in_place else line, flush=True)
+    def __init__(self, name: str, total: int, **options: Any):
+        super().__init__(
+            name,
+            total,
+            unit="image",
+            stream=sys.stdout,
+            enabled=jax.process_index() == 0,
+            rate=False,
+            **options,
+        )
 
 
 def summarize(

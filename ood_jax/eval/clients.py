@@ -1,30 +1,8 @@
-"""MLLM clients: an OpenAI-compatible chat-completions endpoint over HTTP, or a local transformers
-model. Both take a `Request` (a prompt with "<image>" placeholders and its images) and return what
-the model said: the HTTP client a `Reply` (text, finish reason, refusal, reasoning, token usage,
-latency, attempts, the server's model id), a client that knows only the text a plain string.
-
-The HTTP client is built on httpx (as OpenAI's own SDK is) and contacts nothing but the endpoint
-it is given: proxy settings in the environment are never read, and a redirect is an error. The
-API key comes from an environment variable; it is sent as a Bearer header, over plain http://
-only to a loopback host unless the caller allows more (`allow_plain_http_key`), and kept out of
-every message this module produces, so it cannot reach a log or a predictions file.
-
-Under load (one `RunControl` shared by a run's requests):
-  * concurrency adapts (AIMD): an overload answer (429, 408, 5xx, a timeout) halves the number
-    of requests out, successes raise it by one at a time, never above the run's --concurrency;
-  * each attempt has a deadline (`timeout_s`) from its send to the whole reply, and a timeout
-    does not pile work onto the server: it may still be computing the abandoned request
-    (transformers serve does), so one request at a time goes out until one sent after the
-    timeout comes back;
-  * retries come out of a budget for the whole run (`RetryBudget`), so a broken server costs a
-    few requests, not `max_attempts` per item;
-  * a Retry-After longer than `max_retry_after_s` ends the item's attempts at once, with a
-    message saying so, instead of waiting it out silently;
-  * a reply that is not a chat completion (malformed JSON, empty `choices`) is retried;
-  * `RunControl.abandon()` (Ctrl-C, a run stopped early) ends every wait within POLL_S: slots,
-    backoff, and requests waiting on the server, whose connections are closed.
-`OpenAIChatClient.check_model` is the preflight: GET {endpoint}/models must list the model.
-"""
+"""MLLM clients: an OpenAI-compatible chat-completions endpoint over HTTP (`OpenAIChatClient`, on
+httpx: adaptive concurrency, deadlines and a run-wide retry budget shared through a
+`RunControl`; `check_model` is the preflight) and a local transformers model
+(`TransformersClient`). Both take a `Request` and return what the model said (a `Reply`). How
+they behave under load and keep the API key safe: docs/guide/mllm.md, "Servers"."""
 
 from __future__ import annotations
 

@@ -1,18 +1,7 @@
-"""The CLIP multiple-choice baseline: FOCI's comparison of an LVLM with a CLIP model that sees
-only the same options (FOCI Sec. 4.2, Fig. 3-4).
-
-The scorer embeds the image and each option's text (its templates averaged); the option with the
-highest cosine similarity is the answer. Predictions and results go to the same files, in the
-same format, as an LVLM's run (the reply is the chosen letter), so both are read alike and a
-killed run resumes the same way. `conditional_accuracy` is Fig. 4's analysis: the LVLM's
-accuracy where CLIP is right and where it is wrong.
-
-Any scorer works that has
-  encode_images(list of uint8 HxWx3 arrays) -> [N, D] L2-normalized
-  encode_texts(list[str], templates) -> [M, D] L2-normalized
-(as ood_jax.scorers provides). The items come from a task of ood_jax.eval.tasks; runs go through
-ood_jax.eval.runner; `ood-jax stats clip-conditional` (ood_jax.eval.cli) prints Fig. 4.
-"""
+"""The CLIP multiple-choice baseline (FOCI Sec. 4.2, Fig. 3-4): a scorer (`encode_images`,
+`encode_texts`, as ood_jax.scorers' have) picks the option whose text is most like the image,
+written as an LVLM's run is; `conditional_accuracy` is Fig. 4's LVLM accuracy where CLIP is right
+and where it is wrong."""
 
 from __future__ import annotations
 

@@ -1,36 +1,9 @@
-"""`ood-jax compare RUN_A RUN_B`: two eval-mllm run directories (ood_jax.eval.runner) scored on
-the same items, metric by metric: each run's score with its interval, the difference B - A with a
-paired bootstrap interval, and a paired test of "no difference".
-
-What is compared (by run.json's "benchmark"; the groups are those results.json reports):
-  foci          accuracy per dataset and over all items
-  oodbench      accuracy, F1 and MCC of the yes/no answers ("yes" positive) per split
-  oodbench-bap  e_acc, c_acc, l_acc (per test sample, as in results.json) and bap per split
-  counts-oodg   grounding accuracy; mapping accuracy (per box) and exact_match; per
-                (setting, ICE) row, over all its items and per domain. Localization mAP has no
-                per-item verdict, so it is left out, and the output says so.
-
-Accuracies (a right/wrong verdict per unit) get the exact Clopper-Pearson interval, as
-results.json has them (`--interval wilson` for Wilson's, shorter and not conservative), and
-McNemar's exact test; F1, MCC and per-box accuracy get percentile bootstrap intervals and the
-paired bootstrap's p-value. Every difference interval is the paired bootstrap's
-(ood_jax.stats.paired_bootstrap), seeded, so a rerun prints the same numbers.
-
-The runs must hold the same items, or compare refuses with one line saying how they differ:
-  * the same ids (how many differ, and the first few). `--on-common` compares the ids both hold
-    instead, e.g. a `--limit` run against a full one; the header says how many were left out.
-  * per id, the same digest (the prompt and images the model was asked) and the same meta where
-    both have a field (the answer key). No flag overrides this: an id that asks another question
-    is another item, and a paired test over it would pair unrelated answers.
-An item whose request failed (error not null) in either run is left out of both and counted per
-row ("excluded"): a failed request says nothing about the model. A reply that could not be read
-stays in as a wrong answer, as results.json counts it, so the scores here are results.json's
-whenever neither run has a failed request.
-"""
+"""Two eval-mllm run directories scored on the same items (`ood-jax compare`): per metric each
+run's score with its interval, B - A with a paired bootstrap interval, and a paired test. What is
+compared per benchmark, and which items are refused or left out: docs/guide/mllm.md."""
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import pathlib
@@ -39,12 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from ood_jax import help_text, stats
+from ood_jax import stats
 from ood_jax.eval import store
 from ood_jax.metrics import classification
 from ood_jax.eval.tasks.counts_oodg import OODG_SETTINGS
 from ood_jax.eval.tasks.oodbench import OODBENCH_SPLITS
-from ood_jax.cli import stats as stats_cli
 
 INTERVALS = {"wilson": stats.wilson, "clopper-pearson": stats.clopper_pearson}
 INTERVAL_NAMES = {"wilson": "Wilson", "clopper-pearson": "Clopper-Pearson"}
@@ -457,7 +429,7 @@ def compare_runs(
     num_bootstrap: int = DEFAULT_BOOTSTRAP,
     seed: int = 0,
 ) -> dict:
-    """The comparison of two run directories as JSON-ready numbers (module docstring)."""
+    """The comparison of two run directories as JSON-ready numbers (docs/guide/mllm.md)."""
     if interval not in INTERVALS:
         raise ValueError(f"interval must be one of {tuple(INTERVALS)}, got {interval!r}")
     a, b = load_run(dir_a), load_run(dir_b)
@@ -561,83 +533,3 @@ def render(result: dict) -> str:
     lines = _header(result) + [""] + _table(header, rows)
     lines += [f"note: {note}" for note in result["notes"]]
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------
-# `ood-jax compare`
-# ---------------------------------------------------------------------------------------------
-
-
-def _compare(args: argparse.Namespace) -> dict:
-    result = compare_runs(
-        args.run_a,
-        args.run_b,
-        on_common=args.on_common,
-        confidence=args.confidence,
-        interval=args.interval,
-        num_bootstrap=args.bootstrap,
-        seed=args.seed,
-    )
-    return stats_cli.emit(args, result, [render(result)])
-
-
-DESCRIPTION = (
-    help_text.fill(
-        "Compares two eval-mllm runs on the same items: each run's score with its interval, the "
-        "difference B - A with a paired bootstrap interval, and a paired test (exact McNemar for "
-        "accuracies, paired bootstrap for OODBench's F1 and MCC), per group results.json "
-        "reports (FOCI dataset, OODBench split, COUNTS OODG setting/ICE and domain). Items "
-        "whose request failed in either run are left out of both and counted."
-    )
-    + "\n\n"
-    + help_text.fill(
-        "The runs must hold the same item ids with the same digest (prompt and images) and "
-        "answer; otherwise compare refuses, naming how many differ and the first few. "
-        "--on-common compares the ids both hold instead; a changed digest is always refused."
-    )
-)
-
-
-def add_parsers(subparsers) -> argparse.ArgumentParser:
-    """Adds `ood-jax compare` to `subparsers`; returns its parser."""
-    p = subparsers.add_parser(
-        "compare",
-        help="two eval-mllm runs on the same items: scores, intervals and paired tests",
-        description=DESCRIPTION,
-        epilog=help_text.examples(
-            "ood-jax compare runs/foci_qwen runs/foci_llava",
-            "ood-jax compare runs/oodbench_qwen runs/oodbench_llava --bootstrap 5000 --json",
-            "ood-jax compare runs/foci runs/foci_limit100 --on-common --interval wilson",
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("run_a", metavar="RUN_A", help="an eval-mllm --output directory")
-    p.add_argument("run_b", metavar="RUN_B", help="another one over the same items")
-    p.add_argument(
-        "--on-common",
-        action="store_true",
-        help="compare the item ids both runs hold instead of refusing runs whose ids differ",
-    )
-    p.add_argument(
-        "--confidence",
-        type=stats_cli.probability,
-        default=0.95,
-        help="level of every interval (default 0.95)",
-    )
-    p.add_argument(
-        "--interval",
-        choices=tuple(INTERVALS),
-        default="clopper-pearson",
-        help="interval of an accuracy: clopper-pearson (default; exact, as in results.json) "
-        "or wilson (shorter; its coverage is near the level on average, not at every p)",
-    )
-    p.add_argument(
-        "--bootstrap",
-        type=stats_cli.count(1),
-        default=DEFAULT_BOOTSTRAP,
-        help=f"paired bootstrap resamples (default {DEFAULT_BOOTSTRAP})",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of the bootstrap resamples")
-    p.add_argument("--json", action="store_true", help="print the numbers as JSON")
-    p.set_defaults(run=_compare)
-    return p

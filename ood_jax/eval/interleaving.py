@@ -1,41 +1,8 @@
-"""Images where the prompt puts them: what a chat template does with `text IMG text IMG text`.
-
-Our requests are one user turn of text pieces and images in prompt order (clients.Request). The
-model reads whatever the chat template makes of that turn, and some templates render every image
-of a turn first and its texts after ("hoisting"): a COUNTS prompt with in-context examples then
-reaches the model as `IMG IMG IMG Question: .. Question: .. Final Question: ..`, and nothing tells
-it which image goes with which in-context answer.
-
-Known families, from their published chat templates:
-
-| family (Hub repos)                             | template renders images | how we know                       |
-|------------------------------------------------|-------------------------|-----------------------------------|
-| LLaVA-1.5 (llava-hf/llava-1.5-*-hf)            | all first               | template text; measured (1)       |
-| LLaVA-NeXT (llava-hf/llava-v1.6-*-hf)          | all first               | template text (2)                 |
-| LLaVA-OneVision (llava-hf/llava-onevision-*)   | all first               | template text (3)                 |
-| Qwen2-VL-Instruct (Qwen/Qwen2-VL-*-Instruct)   | in place                | template text; measured (1)       |
-
-(1) The template loops over a turn's parts twice, images then texts ("{# Render all images first
-#}"), or once over the parts in order (Qwen2-VL); measured on `transformers serve` and through
-`template_layout` with tiny models carrying the published templates (ood_jax/testing/tiny_vlms.py,
-tests/test_real_server.py). (2) The llava-v1.6-mistral and -vicuna chat_template.json, as quoted
-by openvino.genai's tokenizer fallback map. (3) The template transformers'
-convert_llava_onevision_weights_to_hf.py writes into the converted checkpoints.
-
-The server can move images too: vLLM, for a template that takes a message's content as one
-string (--chat-template-content-format string), joins the texts and adds the image placeholders
-in front unless started with --interleave-mm-strings.
-
-What is here:
-  template_layout(processor)   where a processor's chat template puts the images of our turn.
-  LocalPrompts                 the text a local model (--local) reads for a Request: the
-                               template's own rendering where it keeps images in place, else the
-                               turn rendered with the model's image token at each placeholder
-                               (or a refusal naming the model and the task, never silently).
-  endpoint_warning(...)        the results.json warning for a multi-image task on an endpoint,
-                               whose server's template is out of reach (ood_jax.eval.probe
-                               measures it on the server: `eval-mllm --check-interleaving`).
-"""
+"""Images where the prompt puts them: where a processor's chat template renders the images of a
+turn `text IMG text IMG text` (`template_layout`), the text a local model reads for a Request
+(`LocalPrompts`: images kept in place, or a refusal naming the model and the task), and the
+results' warning for a multi-image task on an endpoint (`endpoint_warning`). Which templates
+move images, and how that is known: docs/guide/mllm.md, "Where images go"."""
 
 from __future__ import annotations
 

@@ -1,22 +1,6 @@
-"""The judge parse mode's judge: a model asked which option a reply chose, for the replies no rule
-can read.
-
-It runs as VLMEvalKit's choice extractor does: the rules first (a letter standing as a token of
-its own, or an option named in full: tasks/base.py JUDGE_RULE_MODE), and only a reply they cannot
-read goes to the judge, with the options, asked to name the option the reply chose by its
-letter, or Z for none. The prompt is this module's own (PROMPT_VERSION). Unlike VLMEvalKit, a
-reply the judge places under no option stays unread (wrong); it is never given a random option.
-
-DIR/judge.jsonl keeps the verdicts, one JSON line per question, appended and flushed as they
-arrive, so a killed run keeps them and a torn last line is asked again (store.PredictionStore
-reads it): id (the question's key, SHA-256 of the judge's identity and its prompt: the same
-options and reply are judged once, and another judge or prompt version never reads this one's
-verdicts), digest (SHA-256 of the prompt), item (the first item it was asked for), reply_sha256,
-judge (the judge's identity: model, request options, prompt version), verdict (the option's
-index, or null), said ("choice"; "none" for Z; "unreadable" when the judge's own reply names no
-option), judge_reply, error and error_kind (null unless the request failed; a failed question is
-asked again by the next run), usage and latency_s.
-"""
+"""The judge parse mode's judge: a model asked which option a reply chose, for only the replies no
+rule reads (as VLMEvalKit's choice extractor, but a reply it places under no option stays
+wrong), its verdicts kept in DIR/judge.jsonl (fields: docs/guide/mllm.md, "The run directory")."""
 
 from __future__ import annotations
 
@@ -27,6 +11,7 @@ import string
 from collections.abc import Sequence
 from typing import Any
 
+from ood_jax import progress as progress_lib
 from ood_jax.eval import parsing, scheduling, store
 from ood_jax.eval.clients import (
     DEFAULT_CONCURRENCY,
@@ -184,7 +169,9 @@ class Judge:
 
         workers = scheduling.Workers(self.concurrency, ask)
         streak = scheduling.Streak(self.max_consecutive_failures)
-        bar = scheduling.Progress(len(questions), "judge", progress)
+        bar = progress_lib.Progress(
+            "replies", len(questions), verbs=("judging", "judged"), enabled=progress
+        )
         in_flight, stop = 0, False
         try:
             for question in questions:
@@ -218,7 +205,7 @@ class Judge:
         bar.close()
         self.store.close()
 
-    def _keep(self, done: tuple, streak: scheduling.Streak, bar: scheduling.Progress) -> bool:
+    def _keep(self, done: tuple, streak: scheduling.Streak, bar: progress_lib.Progress) -> bool:
         """Appends one verdict (or failure); True when the failures in a row say stop."""
         question, reply, error, crash = done
         if crash is not None:

@@ -1,21 +1,6 @@
-"""Reading MLLM replies: option letters or names, yes/no, boxes, counts and COUNTS box mappings.
-
-`parse_choice` has two modes. "foci" is FOCI's released rule (the reply, stripped, begins with the
-letter, any case), kept to reproduce its numbers: it reads "Bengal" as B. "strict" takes a letter
-only where it stands as a token of its own, so free text that merely starts with a letter is no
-answer, and a reply naming two different letters is ambiguous. Both return None for no answer.
-
-`read_choice` reads a multiple-choice reply under one of CHOICE_MODES, knowing the options:
-  foci    FOCI's rule, as `parse_choice(mode="foci")`;
-  strict  a strict letter, else the whole answer naming one option (`parse_choice_or_option`);
-  last    the last answer the reply states (`parse_last_choice`), for chain-of-thought replies
-          that weigh several options before they settle on one.
-(The tasks add a fourth mode, "judge": strict, then a judge model for what no rule reads;
-ood_jax.eval.judge.)
-
-`split_think` takes a reasoning model's `<think>...</think>` text out of a reply before any of
-the parsers read it.
-"""
+"""Reading MLLM replies: option letters or names (`parse_choice`; `read_choice` under one of
+CHOICE_MODES: foci, FOCI's first-letter rule; strict; last, for chain-of-thought), yes/no,
+boxes, counts and COUNTS box mappings, and `split_think`, which takes `<think>` text out first."""
 
 from __future__ import annotations
 

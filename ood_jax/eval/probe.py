@@ -1,19 +1,6 @@
-"""Where a server puts a turn's images: `ood-jax eval-mllm --check-interleaving`.
-
-A local model's chat template can be read (ood_jax.eval.interleaving); a server's cannot, so
-this measures it. The turn is `text IMG text IMG text`, as our multi-image prompts send it:
-
-  * exactly, where the server tokenizes chat requests (vLLM's POST /tokenize with messages):
-    the turn and the same parts with the images first and last are tokenized, and equal token
-    lists mean equal renderings;
-  * else inferred (`transformers serve`, hosted APIs): five greedy completions (the three orders,
-    the first one twice, and a control with the two images swapped) are compared on reply text
-    and prompt token count. Identical answers to the in-place and images-first turns, while
-    swapping the images changes the answer, mean the model was shown the same for both.
-
-When neither way can tell (replies that differ between two sends of one greedy request, a
-model whose reply ignores the images, an error), the Probe says so and why.
-"""
+"""Where a server puts a turn's images (`eval-mllm --check-interleaving`): exactly, from the
+tokens of the turn in three orders where the server tokenizes chat requests (vLLM's /tokenize),
+else inferred from greedy replies; a `Probe` that cannot tell says why."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
 """One model served by several endpoints (`eval-mllm --endpoint URL1 --endpoint URL2 ...`): a
-run spreads its requests over the replicas, each with its own adaptive concurrency, and takes a
-replica that keeps failing out of the rotation, saying so, while the others serve on.
-
-A request goes to the replica in the rotation with the most room under its concurrency limit
-(ties: the one asked least recently). A request that fails there with a server-side error (no
-connection, a timeout, HTTP 5xx) is asked again of another replica in the rotation before it
-counts as failed; MAX_FAILURES such failures in a row take a replica out of the rotation for the
-rest of the run (a rerun asks it again). When no replica is left, the item fails with the last
-error, as with one endpoint.
-"""
+run's requests spread over the replicas, each with its own adaptive concurrency; a replica that
+keeps failing leaves the rotation, saying so, while the others serve on."""
 
 from __future__ import annotations
 

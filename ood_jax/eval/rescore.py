@@ -1,20 +1,6 @@
-"""`ood-jax rescore RUN_DIR`: a run's results computed again from its stored replies, under its
-own parse mode or others, sending nothing to any model.
-
-The replies are read by the run's task (tasks.scoring_for(DIR/run.json)) and the results made by
-run_results.build_results, the code the run itself used: re-scored results under the run's mode equal
-the run's own unless the parser changed since. The run's mode is run.json's "parse_mode" (what
-its results were last written with; a run directory from before the mode left the identity has
-it there too), else the task's default.
-
-A finished run's results file says how many items it covers ("num_items"); those are the first
-lines of DIR/predictions.jsonl, since a run ends by rewriting the file with its own items first.
-Results under the run's mode go to results.json / results.md (results.limitN.* with --limit),
-those under another mode beside them, to results.MODE.json / results.MODE.md, and all of them to
-OUT instead with `out`, leaving the run directory as it was. The judge mode reads the verdicts
-DIR/judge.jsonl keeps from the run's judge (run.json "judge"); a reply without one is an error,
-since nothing is sent (`ood-jax eval-mllm ... --parse-mode judge` asks the judge).
-"""
+"""`ood-jax rescore RUN_DIR`: a run's results computed again from its stored replies, by the code
+the run used, under its own parse mode or others, sending nothing to any model. Where the
+results go: docs/guide/mllm.md, "Parse modes and rescoring"."""
 
 from __future__ import annotations
 

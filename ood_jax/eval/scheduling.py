@@ -1,10 +1,9 @@
-"""Request scheduling: worker threads that answer jobs, the streak of failures that stops a run,
-and a progress bar."""
+"""Request scheduling: worker threads that answer jobs, and the streak of failures that stops a
+run."""
 
 from __future__ import annotations
 
 import queue
-import sys
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -39,29 +38,6 @@ class RunStopped(RuntimeError):
 class LimitReached(RunStopped):
     """A limit of this invocation (--max-requests, --max-cost: `kind`) stopped the run before
     its next request; every reply received is kept, and a rerun continues."""
-
-
-class Progress:
-    """A progress bar on stderr with the rate and time left (tqdm), or nothing when disabled."""
-
-    def __init__(self, total: int | None, description: str, enabled: bool = True):
-        self._bar = None
-        if enabled:
-            from tqdm import tqdm
-
-            self._bar = tqdm(
-                total=total, desc=description, unit="item", file=sys.stderr, dynamic_ncols=True
-            )
-
-    def update(self, done: int = 1, **postfix: Any) -> None:
-        if self._bar is not None:
-            self._bar.update(done)
-            if postfix:
-                self._bar.set_postfix(postfix, refresh=False)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
 
 
 class Streak:

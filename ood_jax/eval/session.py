@@ -10,14 +10,13 @@ import pathlib
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
-from ood_jax import files, manifest, prompts
+from ood_jax import files, manifest, progress, prompts
 from ood_jax.eval import parsing, results, run_manifest, shards, store
 from ood_jax.eval.accounting import Limits, Prices, Spent, stored_prices
 from ood_jax.eval.clients import DEFAULT_CONCURRENCY, ClientError, Reply
 from ood_jax.eval.scheduling import (
     DEFAULT_MAX_CONSECUTIVE_FAILURES,
     LimitReached,
-    Progress,
     RunStopped,
     Streak,
 )
@@ -33,7 +32,7 @@ class RunOptions:
       concurrency: requests in flight at most (1 for clients that say so; a client that takes
         a RunControl adapts below it).
       limit: only the first `limit` items (results beside the full ones: `store.results_files`).
-      progress: a progress bar on stderr.
+      progress: how far the run is, on stderr (ood_jax.progress).
       retry_budget: retries the whole run may make (None: clients.RetryBudget's default).
       max_consecutive_failures: items failing in a row with the same kind of error that stop
         the run with RunStopped (0: never).
@@ -118,7 +117,7 @@ def scoring_mode(
 
 
 # ---------------------------------------------------------------------------------------------
-# Progress
+# The session
 # ---------------------------------------------------------------------------------------------
 
 
@@ -169,7 +168,9 @@ class Session:
         total = benchmark.count() if options.shard is None else None
         if total is not None and options.limit is not None:
             total = min(total, options.limit)
-        self.progress = Progress(total, benchmark.name, options.progress)
+        self.progress = progress.Progress(
+            benchmark.name, total, verbs=("asking", "asked"), enabled=options.progress
+        )
 
     def _start_manifest(self, about: dict) -> dict:
         about = dict(about)

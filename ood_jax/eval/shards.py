@@ -1,14 +1,6 @@
 """MLLM runs split over machines: `eval-mllm --shard I/N` asks the I-th of N disjoint parts of a
-benchmark's items, and `ood-jax merge PART...` joins the parts' directories into the one a
-single run would have written.
-
-An item belongs to part int(SHA-256(key)) mod N, its key being its id, or for a rotation of
-circular evaluation the id of the question it rotates: a question's rotations stay in one part,
-and every part draws the same partition on every machine, whatever the items' order. A part's
-run.json holds "shard" in its identity (a rerun must ask the same part), and the part writes
-DIR/all_items.jsonl, every item of the benchmark in order with its digest, once it has seen them
-all: what the merge checks the parts against (one benchmark, each item once) and orders by.
-"""
+benchmark's items (by a hash of the item's id, a question's rotations together), and `merge`
+joins the parts' directories into the one a single run would have written."""
 
 from __future__ import annotations
 

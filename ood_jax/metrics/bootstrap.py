@@ -1,35 +1,10 @@
 """Bootstrap confidence intervals for COCO AP over images, from one matching.
 
-A bootstrap resample draws the I images with replacement, which gives each image an integer
-weight (how many times it was drawn: Multinomial(I, 1/I)). Matching is per image, so the matches
-of a resampled dataset are the original ones repeated, and AP of a resample is an accumulate of
-`coco.Matches` under those weights: nothing is matched again. It equals pycocotools' AP on the
-explicitly resampled dataset, where each drawn copy is an image of its own and the copies of an
-image follow each other in id order (which decides the order of tied scores):
-
-  * The 101-point precision only reads the curve at true positives. The w copies of a true
-    positive follow each other with the same false-positive count before them, so the last copy
-    has the highest precision and recall of them and stands for all: weighted cumulative counts
-    are the curve.
-  * Except inside a run of one image's tied detections (same category, same score), which the
-    explicit dataset repeats as a whole, copy after copy. A run holding both true and false
-    positives ("mixed") puts false positives between the copies' true positives, so each copy's
-    true positives are points of their own; they are added in closed form.
-
-All resamples are evaluated at once, curve by curve ((category, IoU threshold)), on arrays
-[resamples, points] in numpy: weighted false-positive counts come from one scipy.sparse product
-per category of (detections per image between consecutive true positives) with the weights, so
-the cost is O(detections x resamples) multiply-adds plus O(true positives x resamples) per
-threshold, with no Python loop over images, detections or resamples. numpy rather than JAX:
-every curve has its own length, so jit would compile once per curve (about 50 per split), and
-even compiled, an XLA version of the per-curve core (gather, cumulative sum, division, running
-maximum, search) was no faster on this 2-core CPU: 0.29 s of wall time using both cores against
-numpy's 0.32 s on one, for the bench's largest curve under 1,000 resamples.
-
-What a reader of the intervals needs to know: AP tends to grow on fewer distinct images (its
-precision envelope is a maximum over a noisier curve) and a resample holds about 63% of them,
-so the resamples can sit above the estimate. evaluation.py reports this bootstrap bias with each
-interval; on COCO-like data with many small categories it can exceed the standard error.
+A resample draws the images with replacement, i.e. gives each an integer weight. Matching is
+per image, so a resample's AP is an accumulation of `coco.Matches` under those weights, equal to
+pycocotools' AP on the explicitly resampled dataset: nothing is matched again. All resamples are
+evaluated at once, curve by curve, in numpy, with no Python loop over images, detections or
+resamples.
 """
 
 from __future__ import annotations
@@ -353,6 +328,23 @@ def _mixed_runs(runs, p: np.ndarray, t: int) -> dict[str, np.ndarray]:
 
 # ----------------------------------------------------------------------------------------
 # Evaluation under weights.
+#
+# Why weighted counts are pycocotools' AP on the explicit dataset, where each drawn copy is an
+# image of its own and the copies of an image follow each other in id order (which orders tied
+# scores): the 101-point precision reads the curve only at true positives, and the w copies of a
+# true positive follow each other with the same false-positive count before them, so the last
+# copy has the highest precision and recall of them and stands for all. Except inside a run of
+# one image's tied detections (same category, same score), which the explicit dataset repeats
+# whole, copy after copy: a run holding true and false positives ("mixed") puts false positives
+# between the copies' true positives, so those are points of their own, added in closed form.
+#
+# Weighted false-positive counts come from one scipy.sparse product per category (detections per
+# image between consecutive true positives, times the weights): O(detections x resamples)
+# multiply-adds plus O(true positives x resamples) per threshold. numpy rather than JAX: every
+# curve has its own length, so jit would compile once per curve (about 50 per split), and even
+# compiled, an XLA version of the per-curve core (gather, cumulative sum, division, running
+# maximum, search) was no faster on a 2-core CPU: 0.29 s of wall time on both cores against
+# numpy's 0.32 s on one, for the bench's largest curve under 1,000 resamples.
 
 
 def _precision(plan: _Plan, weights: np.ndarray) -> np.ndarray:

@@ -1,41 +1,11 @@
 """COCO bounding-box evaluation with pycocotools' exact semantics, vectorized in numpy.
 
-`evaluate(gt, detections)` returns the twelve numbers of `COCOeval(..., 'bbox').stats`.
-Every rule of pycocotools' cocoeval.py is reproduced, including its quirks: maxDets per
-(image, category); crowd boxes as ignore regions whose IoU is intersection / detection area
-and which absorb any number of detections; the greedy match that prefers non-ignored ground
-truth and takes the last of equal-IoU candidates; stable ordering of tied scores; ground-truth
-area from the annotation's `area` field and detection area from w*h; the 101-point
-interpolated precision and -1 for categories without ground truth.
-
-Ids are compared and ordered as pycocotools does: it keys dicts by them and sorts them, so 3
-and 3.0 are one id, 1.25 and 1.75 two, and string ids (as KerasCV writes image ids) sort as
-strings, "10" before "9": the image order decides where tied scores of different images fall
-in the precision curve. What pycocotools cannot sort (a mix of numbers and strings) or only
-reads by accident is an error naming the record, the field and the id:
-  * an id that is neither a number nor a string, or NaN;
-  * an image_id or category_id of an annotation or detection that the ground truth does not
-    list, also where only the kind differs (1 for "1"): pycocotools drops or refuses those;
-  * an annotation id that is not a number: pycocotools writes the matched ground truth's id
-    into a float array, where 0 reads as unmatched (kept here) and a string only works if
-    numpy happens to parse it;
-  * an annotation id used twice (a converter numbering from 1 in every image): pycocotools'
-    loadAnns returns the last annotation with that id for each of them, so the others vanish
-    and the last counts several times; no number is worth reporting for that.
-
-How it stays fast without per-detection Python loops:
-  * all (detection, ground truth) pairs of an (image, category) group are formed at once and
-    only pairs with IoU >= 0.5 can ever match, so the rest are dropped;
-  * the greedy match is sequential only within a group, so the loop runs over the rank of a
-    detection inside its group, each step handling one detection of every group, for all
-    IoU thresholds and area ranges together;
-  * precision/recall curves of all categories are segments of one sorted array; the 101
-    recall points are found with integer keys and the precision envelope with `reduceat`.
-
-The matching's outcome per image (`Matches`: each detection's image, score and true/false
-positive flags per IoU threshold and area range, and each image's count of non-ignored ground
-truth) comes with every result, so statistics over images (`metrics.bootstrap`) need not match
-again.
+`evaluate(gt, detections)` returns the twelve numbers of `COCOeval(..., 'bbox').stats`, every
+rule and quirk of cocoeval.py included, without per-detection Python loops. Ids are compared and
+ordered as pycocotools does; input it cannot sort, or reads only by accident, is an error naming
+the record, the field and the id. Every result carries the per-image matching (`Matches`), so
+statistics over images (`metrics.bootstrap`) need not match again. The semantics in full:
+docs/guide/coco-evaluation.md.
 """
 
 from __future__ import annotations

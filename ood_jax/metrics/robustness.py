@@ -1,19 +1,10 @@
 """Performance under corruption (Michaelis et al., 2019, Sec. 3.2): mPC and rPC.
 
-With P_{c,s} a metric (COCO AP here) on the images under corruption c at severity s and
-P_clean the same metric on the clean images,
-
-    mPC = 1 / (N_c N_s) * sum_c sum_s P_{c,s}      (the mean over every corruption and severity)
-    rPC = mPC / P_clean                            (relative performance under corruption)
-
-The paper's N_c = 15 and N_s = 5; a run on fewer reports the mean over those it has, and each
-corruption must have the same severities, so no corruption weighs more than another. rPC is
-None (JSON null) when P_clean is not positive, where the ratio means nothing.
-
-corruptions.json, one evaluated split's numbers, holds exactly
-`{"metric": "AP", "clean": P_clean, "scores": {c: {"1": P_{c,1}, ...}}, "mPC": ..., "rPC": ...}`
-(`summary`); `write` puts the headline split's there and every split's, the headline's
-included, in corruptions/{split}.json beside it, each in the same schema.
+mPC is the mean of a metric (COCO AP here) over every corruption and severity, rPC = mPC / the
+clean metric. The paper uses 15 corruptions at 5 severities; a run on fewer reports the mean
+over those it has, and every corruption must have the same severities, so none weighs more than
+another. corruptions.json holds one split's numbers (`summary`; format in
+docs/guide/corruptions.md).
 """
 
 from __future__ import annotations
@@ -48,7 +39,8 @@ def mpc(scores: Scores) -> float:
 
 
 def rpc(mpc_value: float, clean: float) -> float | None:
-    """mPC relative to the clean metric; None when the clean metric is not positive."""
+    """mPC relative to the clean metric; None (JSON null) when the clean metric is not positive,
+    where the ratio means nothing."""
     return float(mpc_value / clean) if clean > 0 else None
 
 

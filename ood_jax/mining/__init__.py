@@ -1,11 +1,6 @@
-"""Mining the benchmarks' hard parts from scorer features: FOCI options, OODBench splits, OODG items.
-
-`foci`, `oodbench` and `oodg` each write a file in the format its TFDS builder (or, for OODG, the
-evaluation harness) reads; `cli` adds `ood-jax mine foci | oodbench | oodg`.
-
-The row-wise work on features (similarities, top-k, probabilities) runs through
-`map_rows_in_chunks`: one jitted function on fixed-size chunks, the last one padded, so a dataset
-of any size compiles once and never holds an [N, C] similarity matrix in memory.
+"""Mining the benchmarks' hard parts from scorer features: FOCI options (`foci`), OODBench splits
+(`oodbench`), OODG items (`oodg`), a scorer's FOCI accuracy (`zero_shot`); `jobs` runs each as
+`ood-jax mine` does, with its manifest.
 """
 
 from __future__ import annotations
@@ -64,9 +59,10 @@ def map_rows_in_chunks(
 
     `fn` must be jitted and map rows independently (output row i depends on input row i only),
     so the padding rows of the last chunk can be computed and dropped. Every chunk has the same
-    shape, so `fn` compiles once. With a mesh, a chunk's rows are split over all its devices
-    (`chunk_size` rounded up to a multiple of their number) and `shared` is replicated; the
-    mesh may span processes, each of which passes the same arrays and gets every output row.
+    shape, so `fn` compiles once, and no [N, C] similarity matrix is ever held whole. With a
+    mesh, a chunk's rows are split over all its devices (`chunk_size` rounded up to a multiple
+    of their number) and `shared` is replicated; the mesh may span processes, each of which
+    passes the same arrays and gets every output row.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")

@@ -1,44 +1,7 @@
-"""FOCI hard choices: per image, the truth and the three wrong classes a CLIP model ranks highest.
-
-FOCI (§3, "Mining Hard Choices") ranks every class of a dataset for an image by the cosine
-similarity of the image embedding with the embedding of the class text "an image of a {label}"
-(its released `options_generation.py`), and keeps the truth and the three most similar wrong
-classes. Order in the file: the truth first, then the three negatives in ascending similarity,
-the order FOCI's released code writes (it takes `np.argsort(cos)[-4:]`, ascending, and moves the
-truth to the front, dropping the lowest of the four when the truth is not among them) and its
-released files show. Equal similarities go to the lower class index, which ranks higher: it is
-kept before a higher index and, in the ascending list, follows it.
-
-Where the images and class names come from (`ood-jax mine foci --dataset CONFIG --source SRC`),
-the directory the foci builder later reads:
-
-- the five release configs (food101, flowers102, fgvc_aircraft, stanford_cars, oxford_pet): the
-  release's own test split, read by the builder's own split readers, so image paths and class
-  names are the ones the builder checks the options against; the classes are all of the
-  release's classes, in sorted order (the order only matters for ties).
-- FOCI's appendix D sets, read by the same readers (`ood_jax.data.foci`): imagenet_1k
-  (SRC/val/<wnid>/ or the flat SRC/val/ with LOC_val_solution.csv), imagenet_a
-  (SRC/imagenet-a/<wnid>/), imagenet_r (SRC/imagenet-r/<wnid>/) and imagenet_sketch
-  (SRC/sketch/<wnid>/), each named by SRC/classnames.txt; geode (SRC/index.csv, images
-  SRC/images/<file_path>). The classes ranked are the set's own, as FOCI's
-  options_generation.py ranks over its loader's classes: the 1000 of ImageNet-1k, the classes
-  whose folders are present for ImageNet-A and -R (200 in the releases) and -Sketch, GeoDE's
-  objects. The ImageNet sets keep the class-index order of classnames.txt (FOCI's order; the
-  lower index wins a tie), GeoDE's are sorted. The builder writes ImageNet-1k's halves and
-  GeoDE's regions from the one file, so nothing is mined per split.
-- imagenet21k_* and custom: the builder only reads an options file, so before mining there is
-  nothing of theirs to read. Mining reads the folder layout `SRC/images/<class folder>/<image>`
-  (the layout the imagenet21k configs read their images from) with `SRC/class_names.json`,
-  `{folder: class name}`, naming each folder's class. It is required for imagenet21k_* (folders
-  are WordNet ids, not names) and optional for custom (folder names are the class names). The
-  written paths are `images/<folder>/<image>`, which both configs resolve under SRC. Which
-  ImageNet-21k classes form IN-Animal etc. (WordNet lexicographer files) is the user's choice of
-  folders.
-
-Image paths are written relative to SRC, as the builder stores them (`image/filename`; for the
-ImageNet sets `<folder>/<wnid>/<file>`, not FOCI's `<wnid>/<file>`, which the builder also
-reads). The written file goes to SRC/foci_options.json (release configs and appendix D sets) or
-SRC/options.json (others), where the builder looks, unless --out says otherwise.
+"""FOCI's hard choices: per image, the truth and the three wrong classes a CLIP model ranks
+highest (`mine_options`), over the images and classes of a source directory (`read_source`), as
+the options file the foci builder reads (`mine_source`, `options_file_contents`). Sources and the
+rule: docs/guide/scorers-and-mining.md and docs/protocols.md.
 """
 
 from __future__ import annotations
@@ -62,7 +25,11 @@ DEFAULT_TEMPLATES = ("an image of a {}",)
 CLASS_NAMES_FILE = "class_names.json"
 IMAGES_DIR = "images"
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+# The release configs and FOCI's appendix D sets: mined from the split the builder itself reads,
+# so image paths and class names are the ones it checks the options against.
 RELEASE_CONFIGS = tuple(foci_source.RELEASE_TEST_SPLITS)
+# The builder reads only an options file for these, so mining reads SRC/images/<folder>/<image>
+# (the imagenet21k configs' image layout) with SRC/class_names.json naming each folder's class.
 FOLDER_CONFIGS = (
     "imagenet21k_animal",
     "imagenet21k_plant",
@@ -120,6 +87,8 @@ def mine_options(
     (negatives,) = mining.map_rows_in_chunks(
         fn, [image_features, labels], [text_features], chunk_size, mesh
     )
+    # FOCI's options_generation.py takes np.argsort(cos)[-4:], ascending, and moves the truth to
+    # the front: its released files list the negatives from the least to the most similar.
     return np.concatenate([labels[:, None], negatives[:, ::-1]], axis=1).astype(np.int64)
 
 
@@ -214,7 +183,8 @@ def config_name(dataset: str) -> str:
 
 
 def read_source(dataset: str, root: str | pathlib.Path) -> Source:
-    """The images, labels and classes of FOCI config `dataset` under `root` (see module doc)."""
+    """The images, labels and classes of FOCI config `dataset` under `root`; image paths are
+    relative to root, as the builder stores them."""
     name, root = config_name(dataset), pathlib.Path(root)
     if not root.is_dir():
         raise ValueError(f"{root}: source directory does not exist")
@@ -228,12 +198,14 @@ def read_source(dataset: str, root: str | pathlib.Path) -> Source:
             class_names=_ranked_classes(name, root, split),
             options_file=foci_source.RELEASE_OPTIONS_FILE,
         )
+    # Folders are WordNet ids for imagenet21k_*, so they need names; custom's are the names.
     return folder_source(root, foci_source.OPTIONS_FILE, names_required=name != "custom")
 
 
 def _ranked_classes(name: str, root: pathlib.Path, split: foci_source.TestSplit) -> tuple[str, ...]:
     """The split's classes in the order ties are broken by: ImageNet's class index (FOCI's own
-    order), else sorted."""
+    order), else sorted. They are the set's own classes, as FOCI's options_generation.py ranks
+    over its loader's: ImageNet-1k's 1000, the classes present for ImageNet-A, -R, -Sketch."""
     if name in foci_source.IMAGENET_FOLDERS:
         ordered = foci_source.imagenet_class_names(root).values()
         return tuple(c for c in ordered if c in split.class_names)

@@ -1,40 +1,8 @@
-"""OODBench splits: image-category pairs scored by contrastive models, split into ID, OOD-S, OOD-H.
-
-The paper scores an image x with a category c by S(x, c), a contrastive model's probability of c
-for x, and takes a pair as an OOD candidate when S(x, c) < T (T = 0.05, its ablation's choice).
-With two scorers, a pair below T for both is OOD-H (hard), below T for one only OOD-S (soft);
-this generalizes to any number: OOD-H when every scorer is below T, OOD-S when some are.
-
-- CLIP: S(x, c) = softmax over the dataset's category names of logit_scale * cos(x, c), taken at c
-  (`clip_probability`), the posterior the paper's InfoNCE section writes down.
-  GroupViT and LiT score the same way (both are trained with CLIP's softmax contrastive loss).
-- BLIP-2: the same softmax, with cos(x, c) the best cosine over the image's query embeddings
-  (BLIP-2's image-text contrastive similarity) and logit_scale 1 / BLIP-2's learned temperature.
-- SigLIP: S(x, c) = sigmoid(logit_scale * cos(x, c) + logit_bias) (`siglip_probability`), the
-  pairwise probability SigLIP is trained to give.
-
-Which pairs are scored: Definition 1 makes an instance OOD when the object "is spatially present"
-but contextually irrelevant, or present in an anomalous form, so every candidate pair is an image
-with a category present in its annotations (a non-crowd or crowd instance). ID data are
-"obtained by randomly pairing images and categories and excluding pairs identified as OOD": here
-a uniform random draw, without replacement, from the same annotated pairs that no scorer put
-below T. A category absent from an image is never paired with it: without an instance there is
-no object whose semantics could be in or out of distribution.
-
-Downsampling: a split with more than 6,000 pairs ("the original OODBench benchmark introduces a
-random downsampling strategy when the number of samples exceeds 6,000") keeps a seeded uniform
-random 6,000; each split draws from its own stream of the seed, so the ID draw does not depend
-on how many OOD pairs there are. `max_per_split=None` keeps everything, as the paper's ablations
-do.
-
-Text for a category: its name with "_" read as a space (LVIS), formatted into each template and
-averaged over templates by the scorer. The paper does not print its prompt; the default template
-"a photo of a {}." is CLIP's usual one and a choice of this project.
-
-Source layout: the oodbench builder's, `SRC/annotations.json` (COCO or LVIS) and
-`SRC/images/<file_name>`; the output is the builder's `SRC/splits.jsonl`, one
-`{"image_id", "category", "split"}` object per line, plus each scorer's `scores` (ignored by the
-builder, kept for analysis).
+"""OODBench's splits: (image, category) pairs scored by contrastive scorers' probability S(x, c)
+(`clip_probability`, `siglip_probability`, `match_pairs`), divided into ID, OOD-S and OOD-H
+(`assign_splits`, `sample_splits`) and written as the splits.jsonl the oodbench builder reads
+(`split_records`); the paper's scorer ablations (`ablation_divisions`, `consistency`). The rules
+and where they differ from the paper: docs/protocols.md.
 """
 
 from __future__ import annotations
@@ -52,9 +20,10 @@ from ood_jax import mining, scorers
 from ood_jax.data import oodbench as oodbench_source
 from ood_jax.data.oodbench import category_text
 
-THRESHOLD = 0.05
-MAX_PER_SPLIT = 6000
+THRESHOLD = 0.05  # T, the paper's ablation's choice
+MAX_PER_SPLIT = 6000  # "random downsampling ... when the number of samples exceeds 6,000"
 SPLITS = ("ID", "OOD-S", "OOD-H")
+# The paper does not print its prompt; this is CLIP's usual one, a choice of this project.
 DEFAULT_TEMPLATES = ("a photo of a {}.",)
 
 
@@ -166,6 +135,8 @@ def sample_splits(
     """Split -> sorted indices of the pairs kept: all of a split, or a seeded random max_per_split.
 
     ID pairs are those `assign_splits` calls "ID", so an OOD pair can never be drawn as ID.
+    Each split draws from its own stream of the seed, so the ID draw does not depend on how
+    many OOD pairs there are.
     """
     if max_per_split is not None and max_per_split < 1:
         raise ValueError(f"max_per_split must be positive or None, got {max_per_split}")
@@ -196,7 +167,10 @@ class Pairs:
 
 
 def read_pairs(root: str | pathlib.Path) -> Pairs:
-    """Every (image, category present in its annotations) pair, ordered by image then category."""
+    """Every (image, category present in its annotations) pair, ordered by image then category.
+
+    Definition 1's OOD instance has its object present in the image, so a category absent from
+    an image is never paired with it (crowd instances count as present)."""
     root = pathlib.Path(root)
     # The builder's reader: the same validation, file names and presence rules as the build.
     categories, _, images = oodbench_source.read_annotations(root / "annotations.json")
@@ -226,8 +200,8 @@ def score_pairs(
     cache_dir: str | pathlib.Path | None = None,
     matching: bool = False,
 ) -> np.ndarray:
-    """float32 [P]: S(x, c) of each pair under one scorer (the module docstring); image
-    features cached in `cache_dir` if given (see `foci.encode_image_files`). With `matching`,
+    """float32 [P]: S(x, c) of each pair under one scorer (softmax kinds: `clip_probability`;
+    SigLIP: `siglip_probability`); image features cached in `cache_dir` if given (see `foci.encode_image_files`). With `matching`,
     S(x, c) is instead the scorer's image-text matching probability (`match_pairs`)."""
     from ood_jax.mining import foci
 

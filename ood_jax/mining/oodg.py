@@ -1,54 +1,7 @@
-"""COUNTS OODG items: grounding questions drawn on images, with in-context examples per setting.
-
-COUNTS (§4.2, §5.2, Appendix B.3, Tables 8-11) asks an MLLM three kinds of grounding questions
-about its human-annotated images and moves the distribution shift into the in-context examples
-(ICE). `build_items` turns a built COUNTS (or synthetic_shifts) split into such questions; `write`
-stores them as DIR/images/*.png and DIR/items.jsonl, the file the evaluation harness reads.
-
-Tasks, one test unit each:
-- grounding (Tables 8/9): one object, its box drawn in red on the image at its own size. The
-  paper offers "all categories and domains as potential visual concepts" in a multiple-choice
-  prompt that prints four options, so the options are the object's category and three others
-  drawn at random from the dataset's categories and domain names together. The annotations only
-  box objects, so the truth is always a category. `size` is S/M/L by the annotation's area
-  (< 32^2, 32^2 to 96^2, > 96^2 pixels: the paper's, COCO's `AREA_RANGES`).
-- localization (Table 10): one category present in an image; the image is resized to 448 x 448
-  as the paper does, the prompt names the category, and the answer is every box of that category
-  in that 448 frame. Categories with a crowd box in the image are left out (a crowd box has no
-  instance count to answer with).
-- mapping (Table 11): four objects of one image boxed in blue, red, yellow and green (colours
-  assigned in a fixed pseudo-random order per image, so colour says nothing of size); options are
-  their categories (distinct ones first choice, then the largest) filled up to four with random
-  other categories or domains; the answer gives each colour's option index. Images with fewer
-  than four non-crowd objects have no mapping unit.
-Localization and mapping items ask about several boxes, so their `size` is null; their answer
-boxes (or the images' annotations) give each box's area for per-size scores.
-
-Settings (the in-context examples of a test unit; never from the test's image, never two from one
-image; `rng` seeded):
-- zero_shot: none.
-- iid: from the test's domain.
-- covariate_shift: from the other domains.
-- label_shift: from the test's domain (so the inputs' appearance matches), with none of the test
-  unit's categories: the label distribution of the examples puts no mass on the test's labels.
-- spurious_correlation: the paper's cat-indoors / dog-outdoors example. With the test's label y
-  and domain d, a wrong label y' and another domain d' are drawn; the examples alternate between
-  y' shown in d (without any test label) and y shown in d' (without y'). In the examples d
-  always comes with y' and y always with d', so a model that learns the co-occurrence answers y'
-  for the test, which shows y in d. (For mapping, y is the blue box's category.)
-A test unit whose setting has too few eligible examples is skipped and counted.
-
-Prompts come from `ood_jax.prompts`: Table 8/9 for grounding, Tables 10 and 11 without ICE.
-The paper prints in-context layouts for grounding only; for localization and mapping with ICE the
-examples use Table 9's frame (the same header lines, each example followed by its answer,
-"Final " before the last question), the examples' answers written as their format templates ask:
-"Box item: [x, y, w, h]" lines, or "<colour> box:(<letter>) <option>" lines. Table 10 has no
-image placeholder; `<image>` is put before its text. An in-context answer to a choice names the
-option with its letter, "(B) dog", as the options are printed.
-
-Image files: DIR/images/<tfds split>/<image id>_<unit>.png, one per drawn unit, shared by every
-item that shows it. Every file is written beside its target and renamed into place, and the same
-arguments give byte-identical files.
+"""COUNTS OODG items: grounding, localization and mapping questions about a built COUNTS (or
+synthetic_shifts) split, with in-context examples drawn per distribution-shift setting
+(`build_items`), written as DIR/images/*.png and the DIR/items.jsonl the evaluation harness reads
+(`write`). Tasks, settings and where they differ from the paper: docs/protocols.md.
 """
 
 from __future__ import annotations
@@ -151,6 +104,7 @@ def _permutation(key: str, n: int) -> np.ndarray:
 
 
 def grounding_units(records: Iterable[Record]) -> list[Unit]:
+    """One unit per non-crowd object (Tables 8/9), boxed in red on the image at its own size."""
     return [
         Unit("grounding", r, (k,), (r.labels[k],))
         for r in records
@@ -160,6 +114,8 @@ def grounding_units(records: Iterable[Record]) -> list[Unit]:
 
 
 def localization_units(records: Iterable[Record]) -> list[Unit]:
+    """One unit per category of an image (Table 10), all its boxes; a category with a crowd box
+    there is left out, as a crowd box has no instance count to answer with."""
     units = []
     for r in records:
         crowded = {r.labels[k] for k in range(len(r.labels)) if r.crowd[k]}
@@ -176,6 +132,8 @@ def localization_units(records: Iterable[Record]) -> list[Unit]:
 
 
 def mapping_units(records: Iterable[Record]) -> list[Unit]:
+    """One unit per image of at least four non-crowd objects (Table 11): four of them, boxed in
+    MAPPING_COLORS in a fixed pseudo-random order per image, so colour says nothing of size."""
     units = []
     n = len(MAPPING_COLORS)
     for r in records:
@@ -246,7 +204,13 @@ class ExamplePool:
 def select_examples(
     test: Unit, pool: ExamplePool, setting: str, k: int, rng: np.random.Generator
 ) -> list[Unit] | None:
-    """The in-context examples of `test` under `setting` (module doc), or None if too few exist."""
+    """The in-context examples of `test` under `setting`, or None if too few exist: never from
+    the test's image, never two from one image.
+
+    zero_shot: none; iid: from the test's domain; covariate_shift: from the other domains;
+    label_shift: from the test's domain, with none of the test's categories;
+    spurious_correlation: `_spurious_examples`.
+    """
     if setting == "zero_shot":
         if k:
             raise ValueError(f"zero_shot takes no in-context examples, got {k}")
@@ -272,6 +236,10 @@ def select_examples(
 def _spurious_examples(
     test: Unit, pool: ExamplePool, k: int, rng: np.random.Generator
 ) -> list[int] | None:
+    """The paper's cat-indoors / dog-outdoors example as a rule: with the test's label y (for
+    mapping, the blue box's) and domain d, a wrong label y' and another domain d' are drawn; the
+    examples alternate y' shown in d (without any test label) and y shown in d' (without y'), so
+    a model that learns the co-occurrence answers y' for the test, which shows y in d."""
     label = test.labels[0]
     disjoint = (pool.mask & pool.label_mask(test.labels)) == 0
     same_domain = pool.domain == test.domain
@@ -354,7 +322,12 @@ def make_question(unit: Unit, concepts: Sequence[str], rng: np.random.Generator)
 
 
 def build_prompt(test: Question, examples: Sequence[Question]) -> str:
-    """The prompt with one <image> per example, then one for the test, in that order."""
+    """The prompt with one <image> per example, then one for the test, in that order.
+
+    The paper prints in-context layouts for grounding only (Table 9); localization and mapping
+    examples take Table 9's frame, each followed by its answer as its format template asks
+    ("Box item: [x, y, w, h]" lines, "<colour> box:(<letter>) <option>" lines). Table 10 has no
+    image placeholder: `<image>` goes before its text."""
     task = test.unit.task
     if task == "grounding":
         in_context = [
@@ -459,7 +432,8 @@ def build_items(
     num_items: int,
     seed: int,
 ) -> Plan:
-    """Up to num_items items from test units in seeded random order (module doc for the rules)."""
+    """Up to num_items items from test units in seeded random order; a unit whose setting has
+    too few eligible examples (`select_examples`) is skipped and counted."""
     if setting not in SETTINGS:
         raise ValueError(f"unknown setting {setting!r}; expected one of {', '.join(SETTINGS)}")
     if num_items < 1:
@@ -601,7 +575,9 @@ def _examples(builder, split: str) -> Iterable[dict]:
 
 
 def write(builder, plan: Plan, out: str | pathlib.Path) -> pathlib.Path:
-    """Draws the plan's images into out/images/ and writes out/items.jsonl; returns its path."""
+    """Draws the plan's images into out/images/ and writes out/items.jsonl; returns its path.
+    Every file is written beside its target and renamed into place; the same plan gives
+    byte-identical files."""
     out = pathlib.Path(out)
     by_image = collections.defaultdict(list)
     for unit in plan.units.values():

@@ -1,22 +1,7 @@
-"""A scorer's zero-shot accuracy on a built FOCI dataset, clean or corrupted (FOCI Fig. 3).
-
-`ood-jax mine foci-zero-shot --data-dir D --dataset foci/CONFIG | corrupted/NAME --scorer DIR
---out RUN` reads the build's records (a foci build: each of its splits; a corrupted build of a
-foci dataset, `ood-jax build corrupted`: its `test__clean` and each `test__{corruption}_{severity}`)
-and scores each split with `foci.zero_shot_accuracy`: over all classes (the usual zero-shot
-number) and over each record's own 4 options (the CLIP baseline of `eval-mllm foci --clip`).
-
-The classes are the distinct labels of the test split (a corrupted build's `test__clean`, the
-source's test records as they are), sorted, the order mining breaks ties by; every option must
-be one of them. Class texts are encoded once, with FOCI's mining template by default.
-
-RUN/zero_shot.json holds {"dataset", "source", "templates", "classes", "intervals", "splits":
-{key: {"split", "images", "zero_shot", "zero_shot_ci", "four_way", "four_way_ci"[, "corruption",
-"severity"]}}}, keyed by the split's name (a foci build) or by "clean" and "CORRUPTION/SEVERITY"
-(a corrupted build); RUN/zero_shot.md the same as a table. For a corrupted build,
-RUN/corruptions.json (and corruptions/test.json) holds the all-class accuracy's mPC and rPC in
-`ood_jax.metrics.robustness`'s schema, which `ood-jax report RUN` reads. The file is not named
-results.json: the report reads that as an eval-mllm run's, which this is not.
+"""A scorer's zero-shot accuracy on a built FOCI dataset, clean or corrupted (FOCI Fig. 3): over
+all classes and over each record's 4 options, per split or per corruption and severity, with
+exact intervals (`evaluate`), written as RUN/zero_shot.json and .md and, for a corrupted build,
+the RUN/corruptions.json `ood-jax report` reads (`write`). Usage: docs/guide/corruptions.md.
 """
 
 from __future__ import annotations
@@ -36,6 +21,7 @@ from ood_jax.data import corruptions
 from ood_jax.metrics import robustness
 from ood_jax.mining import foci
 
+# Not results.json: the report reads that as an eval-mllm run's, which this is not.
 RESULTS_FILE = "zero_shot.json"
 MARKDOWN_FILE = "zero_shot.md"
 TEST = "test"
@@ -193,7 +179,10 @@ def evaluate(
     chunk_size: int = mining.DEFAULT_CHUNK_SIZE,
     progress: bool = True,
 ) -> dict:
-    """zero_shot.json's content (module docstring) for `target`, scored by `scorer`."""
+    """zero_shot.json's content for `target`, scored by `scorer`: {"dataset", "source",
+    "templates", "classes", "intervals", "splits": {key: {"split", "images", "zero_shot",
+    "zero_shot_ci", "four_way", "four_way_ci"[, "corruption", "severity"]}}}, keyed by the
+    split's name (a foci build) or by "clean" and "CORRUPTION/SEVERITY" (a corrupted build)."""
     from tqdm import tqdm
 
     names = class_names(target)

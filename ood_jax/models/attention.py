@@ -1,17 +1,8 @@
 """Softmax dot-product attention whose backward pass recomputes the attention weights.
 
-Autodiff through softmax(q k^T) v keeps the [B, heads, Q, K] weights for the backward pass and
-differentiates the softmax's normalization as a division, which XLA:CPU runs as a chain of
-passes over that tensor. DINO's decoder self-attention has ~1000 queries (900 + the denoising
-groups): the weights are 64 MB per layer at batch 2, and their backward took a quarter of the
-train step on CPU. Here the forward pass keeps only each row's max and sum ([B, heads, Q]),
-and the backward pass recomputes the weights from q and k and takes the softmax's gradient in
-its closed form, p * (dp - rowsum(g * out)) (FlashAttention's backward, unchunked). Outputs are
-the same operations in the same order as the plain formula, so they do not change.
-
-Masked logits get float32's minimum (its exp is exactly 0 next to any real key) rather than
--inf, so a row with no allowed key is uniform instead of NaN and an all-padding filler example
-cannot poison the loss; as with `jnp.where`, masked logits get no gradient.
+The forward pass keeps only each row's max and sum, and the backward pass recomputes the weights
+from q and k and takes the softmax's gradient in closed form (FlashAttention's backward,
+unchunked). Outputs are the plain formula's operations in the same order, so they do not change.
 """
 
 from __future__ import annotations
@@ -21,6 +12,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+# Masked logits get float32's minimum rather than -inf: its exp is exactly 0 next to any real
+# key, but a row with no allowed key is uniform instead of NaN, so an all-padding filler example
+# cannot poison the loss. As with `jnp.where`, masked logits get no gradient.
 _MASKED = float(jnp.finfo(jnp.float32).min)
 
 
@@ -59,7 +53,8 @@ def dot_product_attention(
 ) -> jax.Array:
     """softmax(q k^T / sqrt(D), masked) v: q [B, Q, heads, D], k and v [B, K, heads, D], `mask`
     boolean broadcastable to [B, heads, Q, K] (`combined_mask`) -> [B, Q, heads, D] in v's dtype.
-    Equal to `weighted_values(attention_weights(q, k, mask), v)`; see the module docstring."""
+    Equal to `weighted_values(attention_weights(q, k, mask), v)`, with a backward pass that
+    recomputes the weights instead of keeping them."""
     return _forward(q, k, v, mask)[0]
 
 
@@ -72,6 +67,11 @@ def _forward(q, k, v, mask):
     return out, (q, k, v, mask, out, row_max, total)
 
 
+# Autodiff through softmax(q k^T) v keeps the [B, heads, Q, K] weights and differentiates the
+# softmax's normalization as a division, which XLA:CPU runs as a chain of passes over that
+# tensor. DINO's decoder self-attention has ~1000 queries (900 + denoising groups): 64 MB of
+# weights per layer at batch 2, whose backward took a quarter of the CPU train step. Here the
+# gradient is p * (dp - rowsum(g * out)), from weights recomputed out of q, k and the row stats.
 def _backward(residuals: tuple[Any, ...], grad_out: jax.Array):
     q, k, v, mask, out, row_max, total = residuals
     weights = jnp.exp(attention_logits(q, k, mask) - row_max) / total

@@ -1,18 +1,9 @@
 """A detector's backbone, once for every family (DETR, Deformable DETR, DINO).
 
-* `BackboneConfig`: the frozen record of a backbone (architecture, norm, dilation, frozen
-  stages, whether the detector freezes it, the maps it reads), and `BackboneConfig.from_args`,
-  the one translation of the flat config fields (`config.model.args.backbone`,
-  `backbone_norm`, `dilation`, `freeze_backbone`, `backbone_frozen_stages`,
-  `backbone_stages`; names in `FLAT_FIELDS`) to it.
-* `BackboneFields` / `MultiScaleBackboneFields`: the one definition of those flat fields as
-  Flax module fields. Each family's model inherits them (keyword-only, so its own fields keep
-  their order and `DETR(num_classes=3, backbone="resnet18", backbone_norm="batch")` works), and
-  reads them as one record through `model.backbone_config`.
-* `build_backbone(...)`: a ResNet (`resnet.ARCHS`) or ViT (`vit.VARIANTS`) by name.
-* `load_backbone(model_args, path)`: pretrained backbone variables for the flat args: the
-  variables `train.pretrain` writes (.msgpack), a timm ViT, or a torchvision/timm ResNet.
-* `resize_mask(mask, size)`: a pixel mask resized to a feature map, as `F.interpolate` does.
+`BackboneConfig` is the one record of a backbone and `BackboneConfig.from_args` the one
+translation of the flat config fields (`FLAT_FIELDS`) to it; `BackboneFields` and
+`MultiScaleBackboneFields` define those fields once for the families' models. `build_backbone`
+and `load_backbone` build and load a ResNet or ViT by name.
 """
 
 from __future__ import annotations
@@ -128,6 +119,8 @@ class BackboneConfig:
         )
 
 
+# Keyword-only, so a family's own fields keep their order and
+# `DETR(num_classes=3, backbone="resnet18", backbone_norm="batch")` works.
 def _field(default: Any) -> Any:
     return dataclasses.field(default=default, kw_only=True)
 

@@ -1,32 +1,10 @@
 """PyTorch state dicts -> Flax variables: the rule machinery every converter uses, and ResNets.
 
-  * `convert(state_dict, rules, abstract)`: fills a variable tree from a state dict by a table of
-    rules (below), with strict key accounting.
-  * `resnet_from_torch(state_dict, module)`: a torchvision or timm ResNet/ResNeXt state dict
-    (ImageNet weights, the paper's starting point) -> variables for `module`.
-  * `load_state_dict(path)`: tensors of a safetensors or torch checkpoint, never unpickled.
-  * `timm_backbone(cfg)`, `hf_backbone(cfg, dtype)`, `require(...)`, `prefixed(...)`: what the
-    transformers detector converters (`convert` for DETR, `convert_deformable`) share about
-    reading a detector config's ResNet backbone.
-
-A conversion is a table of rules. A rule maps a source *module* path (the key without its last
-component, matched by a full regex) to a target module path (a template or a function of the
-match) and names the kind of layer, which decides how each leaf is renamed and laid out:
-
-  kind        source leaf -> target leaf      layout
-  conv        weight -> kernel, bias -> bias  OIHW -> HWIO
-  linear      weight -> kernel, bias -> bias  [out, in] -> [in, out]
-  batchnorm   weight, bias, running_mean, running_var -> scale, bias, mean, var
-              (num_batches_tracked is a step counter, not a weight, and is dropped)
-  layernorm   weight, bias -> scale, bias
-  embedding   weight -> embedding
-  drop        every leaf dropped (the ImageNet classifier `fc`: a backbone has no head)
-
-The target's collection ("params" or "batch_stats") comes from the module's own variable tree,
-so frozen and trainable BatchNorm load from the same table. Conversion fails, naming the keys,
-when a source tensor matches no rule or no target (KeyError), a target is left unfilled
-(KeyError), or a shape or a double assignment disagrees (ValueError). Nothing is skipped
-silently.
+`convert` fills a variable tree from a state dict by a table of rules, with strict key
+accounting: nothing is skipped silently. `resnet_from_torch` reads torchvision and timm ResNets
+(ImageNet weights, the paper's starting point); `load_state_dict` reads safetensors or torch
+checkpoints without unpickling; `timm_backbone`, `hf_backbone`, `require` and `prefixed` are what
+the transformers detector converters share about a config's ResNet backbone.
 """
 
 import os
@@ -143,7 +121,22 @@ def _first_match(rules: Sequence[Rule], module_path: str) -> tuple[Rule, re.Matc
 def convert(
     state_dict: Mapping[str, Any], rules: Sequence[Rule], abstract: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """Fills the variable tree `abstract` (shapes only) from `state_dict` by `rules`."""
+    """Fills the variable tree `abstract` (shapes only) from `state_dict` by `rules`.
+
+    A rule (pattern, target, kind) maps a source module path (a key without its last
+    component, matched by `re.fullmatch`) to a target module path (a template or a function of
+    the match). The kind decides how leaves are renamed and laid out: "conv" (weight -> kernel,
+    OIHW -> HWIO; bias), "linear" (weight -> kernel, transposed; bias), "batchnorm" (weight,
+    bias, running_mean, running_var -> scale, bias, mean, var; the step counter
+    num_batches_tracked is dropped), "layernorm" (weight, bias -> scale, bias), "embedding"
+    (weight -> embedding) and "drop" (every leaf dropped, e.g. the ImageNet classifier `fc`).
+    The target's collection ("params" or "batch_stats") comes from `abstract`, so frozen and
+    trainable BatchNorm load from one table.
+
+    Raises:
+      KeyError: a source tensor matches no rule or no target, or a target is left unfilled.
+      ValueError: a shape disagrees, or two sources fill one target.
+    """
     targets = {}  # "a/b/leaf" -> (collection, ShapeDtypeStruct)
     for path, leaf in traverse_util.flatten_dict(abstract).items():
         targets["/".join(path[1:])] = (path[0], leaf)

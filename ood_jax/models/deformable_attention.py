@@ -1,41 +1,10 @@
 """Multi-scale deformable attention (Zhu et al., 2021), in pure JAX.
 
-Each query attends to `num_points` sampled locations per head and per feature level, around a
-reference point, instead of to every key: a linear layer predicts the sampling offsets, another
-the attention weights (softmax over levels x points, per head), and the result is the weighted
-sum of the bilinearly interpolated values at those locations.
-
-`multi_scale_deformable_attention` is the op (what transformers' `MultiScaleDeformableAttention`
-computes with `grid_sample`, and Deformable DETR's CUDA kernel). It is written for accelerators:
-  * the four bilinear neighbours of every sample are fetched by ONE gather of value rows from
-    the flattened [batch * keys * heads, head_dim] table, with indices computed up front, so
-    there is no per-level or per-neighbour loop of gathers in the graph;
-  * neighbours that fall outside their level get weight 0 and a clamped (in-bounds) index, which
-    is grid_sample's zero padding without any dynamic shape;
-  * bilinear and attention weights are folded into one weight per gathered row, so the
-    reduction is a single weighted sum;
-  * `remat=True` keeps for the backward pass only the op's inputs (value, sampling locations,
-    attention weights) and recomputes the gather there, by a custom VJP, as Deformable DETR's
-    CUDA kernel and MMCV's do, instead of storing the gathered
-    [B, Q, heads, levels * points * 4, head_dim] rows (2.9 GB per encoder layer at 800x1333,
-    batch 2): the largest activation of a deformable encoder by far. Both directions then run
-    `query_chunk` queries at a time (a `lax.map` / `lax.scan` over chunks), so no gathered
-    buffer outlives a chunk; the loop also keeps XLA's CSE from merging the recomputed gather
-    back into the forward pass (measured on CPU: with a single chunk the loop is inlined and
-    the gathered rows are kept after all). The forward values are the plain op's, bit for bit.
-`multi_scale_deformable_attention_reference` computes the same thing with
-`jax.scipy.ndimage.map_coordinates` one (batch, head, level) image at a time; it is slow and
-exists only so tests can check the op against an independent implementation.
-
-`MultiScaleDeformableAttention` is the layer: value projection (padded keys zeroed), offsets and
-weights from the query, sampling locations from 2-d reference points (offsets in units of the
-level's pixels) or 4-d reference boxes (offsets relative to the box size), the op, and the
-output projection. Its parameter names and initialization follow transformers'
-`DeformableDetrMultiscaleDeformableAttention`.
-
-Coordinates: sampling locations are normalized (x, y) in [0, 1] over each level's padded map,
-with grid_sample's `align_corners=False` convention (pixel centres at (i + 0.5) / size).
-Spatial shapes are static Python tuples: under jit every shape stays fixed.
+Each query attends to `num_points` sampled locations per head and feature level around a
+reference point instead of to every key. `multi_scale_deformable_attention` is the op (one
+gather of value rows, fixed shapes, optionally recomputed in the backward pass),
+`MultiScaleDeformableAttention` the layer, and `multi_scale_deformable_attention_reference` a
+slow independent implementation that tests check the op against.
 """
 
 import functools
@@ -148,6 +117,10 @@ def _gather_sum(table: jax.Array, rows: jax.Array, weights: jax.Array) -> jax.Ar
     return out.reshape(*rows.shape[:2], -1).astype(table.dtype)
 
 
+# The four bilinear neighbours of every sample are fetched by one gather with indices computed up
+# front, not a loop of gathers per level or neighbour; out-of-level neighbours get weight 0 and
+# an in-bounds index (grid_sample's zero padding without a dynamic shape), and bilinear and
+# attention weights fold into one weight per row, so the reduction is one weighted sum.
 def _deformable_sample(
     value: jax.Array,
     sampling_locations: jax.Array,
@@ -174,6 +147,11 @@ def _from_chunks(x: jax.Array, num_queries: int) -> jax.Array:
     return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :num_queries]
 
 
+# The gathered [B, Q, heads, levels * points * 4, head_dim] rows are a deformable encoder's largest
+# activation by far (2.9 GB per layer at 800x1333, batch 2). The chunk loop also keeps XLA's CSE
+# from merging the recomputed gather back into the forward pass (measured on CPU: with a single
+# chunk the loop is inlined and the rows are kept after all). Forward values are the plain op's,
+# bit for bit.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _recomputed_sample(
     value: jax.Array,
@@ -247,7 +225,10 @@ def multi_scale_deformable_attention(
     remat: bool = False,
     query_chunk: int = 2048,
 ) -> jax.Array:
-    """Bilinear multi-scale sampling and weighted sum; see the module docstring.
+    """Bilinear multi-scale sampling and weighted sum: what transformers'
+    `MultiScaleDeformableAttention` computes with `grid_sample` (and Deformable DETR's CUDA
+    kernel). Locations are normalized (x, y) in [0, 1] over each level's padded map, with
+    grid_sample's `align_corners=False` convention (pixel centres at (i + 0.5) / size).
 
     Args:
       value: [B, S, heads, head_dim], the levels' keys flattened row-major and concatenated in
@@ -327,7 +308,11 @@ def _offset_bias_init(
 
 
 class MultiScaleDeformableAttention(nn.Module):
-    """Deformable attention layer; see the module docstring.
+    """Deformable attention layer: value projection (padded keys zeroed), sampling offsets and
+    attention weights (softmax over levels x points, per head) from the query, locations from
+    2-d reference points (offsets in the level's pixels) or 4-d reference boxes (offsets
+    relative to the box size), the op, and the output projection. Parameter names and
+    initialization follow transformers' `DeformableDetrMultiscaleDeformableAttention`.
 
     Attributes:
       num_heads, num_levels, num_points: heads, feature levels and sampled points per head and

@@ -1,35 +1,11 @@
 """Deformable DETR (Zhu et al., 2021) and the blocks DINO is built from.
 
-`DeformableDetr.apply(variables, images [B, H, W, 3], pixel_mask=None, train=False)` returns
-  * "logits": [B, Q, num_classes], sigmoid class logits (no "no object" class);
-  * "boxes":  [B, Q, 4], normalized cxcywh;
-  * "aux":    one {"logits", "boxes"} per decoder layer but the last;
-  * "enc":    with `two_stage`, {"logits": [B, S, num_classes], "boxes": [B, S, 4]}, the
-              encoder's per-pixel proposals over all S multi-scale positions.
-Outputs are float32 whatever the compute `dtype`. It computes what transformers'
-`DeformableDetrForObjectDetection` computes (tests/test_deformable_detr_parity.py), with its
-`two_stage` and `with_box_refine` options, and Flax names mirroring its module names.
-
-The pipeline, in blocks this module exports for `ood_jax.models.dino`:
-  * `backbone_feature_maps`: ResNet stages (C3-C5 by default) or, for a plain ViT, a simple
-    feature pyramid at strides 8, 16, 32 from its stride-16 map.
-  * `MultiScaleNeck`: each map -> 1x1 conv + GroupNorm(32) to d_model, plus extra levels by 3x3
-    stride-2 conv + GroupNorm (the first from the last backbone map; 4 levels = C3-C5 + a
-    stride-64 level), each with its padding mask resized from the pixel mask.
-  * `flatten_levels`: sine position embedding + a learned level embedding per level, everything
-    flattened to [B, S, ...] with static `spatial_shapes` and per-level valid ratios.
-  * `DeformableEncoderLayer` / `DeformableDecoderLayer`: post-norm layers whose attention over
-    the image is `MultiScaleDeformableAttention`; the decoder layer's self-attention takes an
-    optional [Q, Q] mask (DINO's denoising groups).
-  * `encoder_proposals`: one anchor box per encoder position (two-stage).
-
-Padding. Valid ratios, reference points and proposals follow the reference implementation; a
-fully padded (filler) example keeps finite values (its valid extent counts as one pixel) instead
-of dividing by zero, so it cannot turn a batch's loss into NaN.
-
-The family's surface (`ood_jax.models.registry`): `Model` (`DeformableDetr`), `postprocess`,
-`make_loss` (Hungarian matching on focal costs and the focal set loss of
-`ood_jax.models.focal_set_loss`) and `load_backbone` (`ood_jax.models.backbones.load_backbone`).
+`DeformableDetr` computes what transformers' `DeformableDetrForObjectDetection` computes, with
+its `two_stage` and `with_box_refine` options and Flax names mirroring its modules
+(tests/test_deformable_detr_parity.py). The blocks (`backbone_feature_maps`, `MultiScaleNeck`,
+`flatten_levels`, the deformable encoder and decoder layers, `encoder_proposals`) serve
+`ood_jax.models.dino` too. The family's surface for `ood_jax.models.registry`: `Model`,
+`postprocess`, `make_loss` (`ood_jax.models.focal_set_loss`) and `load_backbone`.
 """
 
 import inspect
@@ -67,6 +43,8 @@ def inverse_sigmoid(x: jax.Array, eps: float = 1e-5) -> jax.Array:
 
 def valid_ratios(mask: jax.Array) -> jax.Array:
     """[B, h, w] mask -> [B, 2]: (width, height) fraction of the map that is real."""
+    # A fully padded (filler) example counts one valid pixel instead of dividing by zero, so it
+    # cannot turn a batch's loss into NaN.
     _, height, width = mask.shape
     valid_h = jnp.maximum(mask[:, :, 0].sum(axis=1), 1).astype(jnp.float32)
     valid_w = jnp.maximum(mask[:, 0, :].sum(axis=1), 1).astype(jnp.float32)
@@ -427,7 +405,12 @@ def encode_images(
 
 
 class DeformableDetr(backbones.MultiScaleBackboneFields):
-    """Deformable DETR; see the module docstring.
+    """Deformable DETR.
+
+    `apply(variables, images [B, H, W, 3], pixel_mask=None, train=False)` returns "logits"
+    [B, Q, num_classes] (sigmoid, no "no object" class), "boxes" [B, Q, 4] (cxcywh), "aux" (one
+    {"logits", "boxes"} per earlier decoder layer) and, with `two_stage`, "enc" (the encoder's
+    proposals over all S positions: [B, S, num_classes], [B, S, 4]); float32.
 
     Attributes:
       num_classes: object classes (sigmoid logits, no "no object" class).

@@ -1,38 +1,10 @@
 """DINO's contrastive denoising (CDN) queries (Zhang et al., 2022; after DN-DETR, Li et al., 2022).
 
-During training the decoder also gets noised copies of the ground truth and must reconstruct them.
-Every real target appears once per group as a *positive* copy (box noised a little: reconstruct
-the box and the class) and once as a *negative* copy (box noised more: predict "no object"), so
-the decoder learns to reject anchors that are near, but not on, an object.
-
-Layout. With M target slots (padded) and G groups there are D = 2 * M * G denoising queries; group
-g holds positives at [2gM, 2gM + M) and negatives at [2gM + M, 2(g+1)M), slot m of each half
-copying target slot m. This is the layout of IDEA-Research's `prepare_for_cdn`, with its per-batch
-maximum target count replaced by the padded M so that every shape is static. Slots whose target
-is padding are marked invalid; they carry label `num_classes` (the extra row of the model's
-`num_classes + 1` label embedding) and the box (0.5, 0.5, 0.5, 0.5), the box DINO gives its own
-padding (zero in inverse-sigmoid space).
-
-Group count. G = max(1, num_dn_queries // (2M)), so `num_dn_queries` counts positive and negative
-queries together. IDEA-Research's `dn_number` counts pairs (it is doubled before dividing), so
-their default `dn_number=100` corresponds to `num_dn_queries=200` here.
-
-Noise, as IDEA-Research's implementation draws it:
-  * Labels: each copy, positive or negative, independently has its label redrawn uniformly from
-    [0, num_classes) with probability label_noise_ratio / 2 (so it may redraw the same class).
-  * Boxes: each corner coordinate of the xyxy box moves by sign * u * box_noise_scale * (w/2 for
-    x, h/2 for y), with a random sign and u ~ U[0, 1) for positives, U[1, 2) for negatives; the
-    corners are then clipped to [0, 1] and converted back to cxcywh. Positives thus stay within
-    box_noise_scale/2 of the box size of every edge, negatives lie between that and
-    box_noise_scale (before clipping). A negative whose opposite corners cross gets size 0 along
-    that axis (DINO computes a negative size there, which its inverse_sigmoid clamps to 0), so
-    every output box lies in [0, 1]^4.
-
-Attention (True = query i may attend to key j) over the D denoising queries followed by the Q
-matching queries: matching queries see only matching queries (they must not peek at the ground
-truth); denoising queries see their own group (positives and negatives, valid or not, as in DINO)
-and every matching query. The mask is shared by the whole batch, so a model wanting to hide
-invalid slots as keys combines it with `valid`.
+In training the decoder also gets noised copies of the ground truth: per group, a positive copy
+of every target (box noised a little: reconstruct box and class) and a negative one (noised more:
+predict "no object"), so it learns to reject anchors near, but not on, an object. The layout is
+IDEA-Research's `prepare_for_cdn` with static shapes; layout, noise and attention mask:
+docs/guide/detector-models.md.
 """
 
 import jax
@@ -53,7 +25,13 @@ def num_groups(max_targets: int, num_dn_queries: int) -> int:
 
 
 def cdn_attention_mask(max_targets: int, groups: int, num_queries: int) -> np.ndarray:
-    """[D + Q, D + Q] bool, True where query i may attend to key j (see the module docstring)."""
+    """[D + Q, D + Q] bool, True where query i may attend to key j.
+
+    Matching queries see only matching queries (they must not peek at the ground truth);
+    denoising queries see their own group (valid or not, as in DINO) and every matching query.
+    The mask is shared by the batch: a model hiding invalid slots as keys combines it with
+    `valid`.
+    """
     num_dn = 2 * max_targets * groups
     # Matching queries are group -1; they see only each other.
     group = np.concatenate([np.arange(num_dn) // max(2 * max_targets, 1), np.full(num_queries, -1)])
@@ -98,9 +76,13 @@ def make_cdn_queries(
       mask: [B, M] bool, True for real targets.
       num_classes: C; noised labels are drawn from [0, C) and invalid slots get label C.
       num_queries: Q, the number of matching queries (sizes the attention mask).
-      num_dn_queries: the denoising budget; D = 2 * M * max(1, num_dn_queries // (2M)).
+      num_dn_queries: the denoising budget, positives and negatives together;
+        D = 2 * M * max(1, num_dn_queries // (2M)). IDEA-Research's `dn_number` counts pairs:
+        its default 100 is 200 here.
       label_noise_ratio: a label is redrawn with probability label_noise_ratio / 2.
-      box_noise_scale: corner noise relative to half the box size (see the module docstring).
+      box_noise_scale: corner noise relative to half the box size (`jitter_corners`): positives
+        stay within box_noise_scale / 2 of the box size of every edge, negatives between that
+        and box_noise_scale (before clipping to [0, 1]).
 
     Returns:
       "labels" [B, D] int32, "boxes" [B, D, 4] (in [0, 1]), "positive" [B, D] bool, "valid"
@@ -117,6 +99,7 @@ def make_cdn_queries(
             f"make_cdn_queries: need num_classes >= 1, num_queries >= 0 and num_dn_queries >= 0, "
             f"got {num_classes}, {num_queries}, {num_dn_queries}"
         )
+    # The padded M replaces the reference's per-batch maximum target count: shapes stay static.
     max_targets = labels.shape[1]
     groups = num_groups(max_targets, num_dn_queries)
     slot = np.arange(2 * max_targets * groups)

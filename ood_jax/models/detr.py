@@ -1,32 +1,9 @@
 """DETR (Carion et al., 2020): ResNet -> 1x1 projection -> post-norm transformer -> set prediction.
 
-`DETR.apply(variables, images [B, H, W, 3], pixel_mask=None, train=False)` returns
-  * "logits": [B, Q, num_classes + 1], the last class being "no object";
-  * "boxes":  [B, Q, 4], normalized cxcywh (sigmoid of a 3-layer MLP);
-  * "aux":    one {"logits", "boxes"} dict per decoder layer but the last, from the same heads.
-Outputs are float32 whatever the compute `dtype`. `train=True` needs a "dropout" rng, and with
-`backbone_norm="batch"` a mutable "batch_stats" collection.
-
-Images come normalized (ImageNet mean/std) and padded to one shape; `pixel_mask` [B, H, W] marks
-real pixels with 1. It is resized to the feature map by nearest neighbour, exactly as
-`F.interpolate(mask, size)` picks pixels, and it masks padded keys in every attention and sets
-the normalization of the sine position embedding.
-
-The layout follows the paper's code and transformers' `DetrForObjectDetection` (submodule names
-match the latter's, which keeps the converter's tables short): queries start at zero and the
-learned query embeddings are added to queries and keys of the decoder's self-attention and to
-the queries of its cross-attention; the sine embedding is added to queries and keys over the
-image; every sublayer is residual + LayerNorm (post-norm); the decoder output of every layer goes
-through one shared final LayerNorm before the heads.
-
-`norm_between_decoder_layers=True` reproduces transformers' decoder when its config has
-`auxiliary_loss=True`: there each layer's normalized output is what the next layer reads and
-the last one is normalized twice. The paper's decoder normalizes only what the heads read.
-Checkpoints trained that way need the flag to give their outputs; `detr_from_hf` sets it.
-
-The family's surface (`ood_jax.models.registry`): `Model` (`DETR`), `postprocess`, `make_loss`
-(Hungarian matching and the softmax set loss of `ood_jax.models.set_loss`) and `load_backbone`
-(`ood_jax.models.backbones.load_backbone`).
+The layout follows the paper's code and transformers' `DetrForObjectDetection`, whose submodule
+names it keeps (so the converter's tables stay short). The family's surface for
+`ood_jax.models.registry`: `Model` (`DETR`), `postprocess`, `make_loss` (the softmax set loss of
+`ood_jax.models.set_loss`) and `load_backbone`.
 """
 
 import functools
@@ -226,7 +203,14 @@ class BoxHead(nn.Module):
 
 
 class DETR(backbones.BackboneFields):
-    """DETR detector; see the module docstring.
+    """DETR detector.
+
+    `apply(variables, images [B, H, W, 3], pixel_mask=None, train=False)` returns "logits"
+    [B, Q, num_classes + 1] (the last class "no object"), "boxes" [B, Q, 4] (normalized cxcywh)
+    and "aux" (one {"logits", "boxes"} per earlier decoder layer, from the same heads); float32.
+    Images come ImageNet-normalized and padded to one shape, `pixel_mask` [B, H, W] True on real
+    pixels. `train=True` needs a "dropout" rng, and with `backbone_norm="batch"` a mutable
+    "batch_stats" collection.
 
     Attributes:
       num_classes: object classes, without the extra "no object" logit.
@@ -243,7 +227,10 @@ class DETR(backbones.BackboneFields):
         copies of the queries, each matched one-to-one to the targets and attending only to its
         own group, give the decoder several times the supervision per image at little cost;
         inference uses the first group alone, so the deployed model is plain DETR.
-      norm_between_decoder_layers: transformers' `auxiliary_loss=True` decoder; see above.
+      norm_between_decoder_layers: transformers' decoder when its config has
+        `auxiliary_loss=True`: each layer's normalized output is what the next layer reads, and
+        the last is normalized twice (the paper normalizes only what the heads read).
+        Checkpoints trained that way need it; `detr_from_hf` sets it.
       dtype: compute dtype; parameters stay float32.
     """
 

@@ -1,42 +1,10 @@
 """DINO (Zhang et al., 2023): DETR with improved denoising anchor boxes.
 
-Built from the Deformable DETR blocks (`ood_jax.models.deformable_detr`): backbone stages C3-C5
-plus a stride-64 level, each projected and group-normalized, with level embeddings; a
-deformable encoder; and a deformable decoder with iterative box refinement. On top of these,
-DINO's three changes:
-
-  * Mixed query selection. Every encoder position proposes an anchor box (two-stage); the top-K
-    by their best class logit become the decoder's reference anchors (K = num_queries, 900),
-    while the content queries stay learned (`tgt_embed`), not taken from the encoder.
-  * Look forward twice. Each decoder layer refines its anchors, and the next layer starts from
-    them detached, but the box a layer *predicts* is its head's delta on top of the previous
-    layer's refined box with the gradient kept: a layer's loss also trains the layer before.
-  * Contrastive denoising. In training, noised ground-truth boxes and labels (made by
-    `ood_jax.models.denoising.make_cdn_queries`) are prepended as extra queries: label
-    embeddings (`label_enc`, num_classes + 1 rows) as content and their boxes as anchors, with
-    an attention mask that hides them from the matching queries and each group from the others.
-
-Decoder queries get their positional embedding from their current anchor,
-`ref_point_head(sine(anchor))` (a 2-layer MLP of the 4-d sine embedding), recomputed every
-layer; every layer's output goes through one shared LayerNorm before the heads.
-
-`DINO.apply(variables, images, pixel_mask=None, train=False, denoise=None)` returns
-  {"logits": [B, Q, C], "boxes": [B, Q, 4],         # last decoder layer, matching queries
-   "aux": [{"logits", "boxes"}] per earlier decoder layer,
-   "enc": {"logits": [B, K, C], "boxes": [B, K, 4]},  # the K selected encoder proposals
-   "dn": {"logits": [L, B, D, C], "boxes": [L, B, D, 4]}  # only when `denoise` is given}
-with sigmoid class logits (no "no object" class), boxes normalized cxcywh, float32 outputs.
-`postprocess(outputs, top_k=300)` keeps the 300 best (query, class) pairs.
-
-The family's surface (`ood_jax.models.registry`): `Model` (`DINO`), `postprocess`, `make_loss`
-(the focal set loss of `ood_jax.models.focal_set_loss` with contrastive denoising, configured by
-`config.denoising`) and `load_backbone` (`ood_jax.models.backbones.load_backbone`).
-
-Deliberate departures from the reference code, none of which changes a real image's output:
-encoder positions that are padding (or whose anchor falls outside (0.01, 0.99)) are never
-selected as queries while enough real ones exist (the reference ranks them by the logits of a
-zeroed feature); and the reference's hard-coded 128 sine features per coordinate are
-`hidden_dim // 2` (the same at DINO's width, 256).
+Built from the Deformable DETR blocks (`ood_jax.models.deformable_detr`), with DINO's mixed query
+selection, look-forward-twice box refinement and contrastive denoising queries
+(`ood_jax.models.denoising`). The family's surface for `ood_jax.models.registry`: `Model`,
+`postprocess`, `make_loss` (`ood_jax.models.focal_set_loss`) and `load_backbone`.
+Outputs and departures from the reference code: docs/guide/detector-models.md.
 """
 
 import math
@@ -79,7 +47,12 @@ def anchor_sine_embedding(anchors: jax.Array, num_features: int) -> jax.Array:
 
 
 class DINO(backbones.MultiScaleBackboneFields):
-    """DINO detector; see the module docstring.
+    """DINO detector.
+
+    `apply(variables, images, pixel_mask=None, train=False, denoise=None)` returns "logits"
+    [B, Q, C] (sigmoid) and "boxes" [B, Q, 4] (cxcywh) of the last decoder layer's matching
+    queries, "aux" (earlier layers), "enc" (the K selected proposals) and, given `denoise`, "dn"
+    ({"logits" [L, B, D, C], "boxes" [L, B, D, 4]}); float32.
 
     Attributes:
       num_classes: object classes (sigmoid logits).
@@ -137,6 +110,8 @@ class DINO(backbones.MultiScaleBackboneFields):
         logits = logits.astype(jnp.float32)
         anchors = detr.BoxHead(self.hidden_dim, self.dtype, name="enc_bbox_embed")(features)
         anchors = anchors.astype(jnp.float32) + proposals.logits
+        # Padding positions (and anchors outside (0.01, 0.99)) are never selected while enough
+        # real ones exist; the reference ranks them by the logits of a zeroed feature.
         score = jnp.where(proposals.valid, logits.max(-1), -jnp.inf)
         _, top = jax.lax.top_k(score, self.num_queries)
 
@@ -264,6 +239,7 @@ class DINO(backbones.MultiScaleBackboneFields):
         hidden, references = [], [reference]
         for i in range(self.num_decoder_layers):
             ref_input = ddetr.decoder_reference_input(reference, flat.ratios)
+            # The reference hard-codes 128 features per coordinate: hidden_dim // 2 at DINO's 256.
             sine = anchor_sine_embedding(ref_input[:, :, 0], self.hidden_dim // 2)
             query_pos = ref_point_head(sine.astype(self.dtype))
             layer = ddetr.layer_class(ddetr.DeformableDecoderLayer, self.remat)(
@@ -285,6 +261,8 @@ class DINO(backbones.MultiScaleBackboneFields):
             # normalized (as the reference implementation does).
             delta = box_heads[i](x).astype(jnp.float32)
             refined = jax.nn.sigmoid(delta + ddetr.inverse_sigmoid(reference))
+            # Look forward twice: the next layer starts from the detached refinement, but its box
+            # is predicted on `refined` with the gradient, so its loss also trains this layer.
             reference = jax.lax.stop_gradient(refined)
             references.append(refined)
             hidden.append(norm(x))

@@ -1,28 +1,9 @@
 """Exported detectors: the one file format, written and read here.
 
-An exported detector is one self-contained file, flax.serialization msgpack of one dict
-(format version 1):
-
-  format_version  1
-  model           config.model as a dict: {"name": ..., "args": {...}, "dtype": ...} for
-                  `registry.build_model`; "dtype" is the compute dtype the checkpoint was
-                  trained in, which its run's evaluation used too, so the file's detections
-                  are the ones that evaluation measured ("float32" when absent, as in files
-                  written before the switch)
-  input           what inference needs of config.input: image_size (the padded canvas side),
-                  eval_size (shorter side after resizing), max_size (cap on the longer side),
-                  mean and std (per channel, applied to pixels scaled to [0, 1])
-  class_names     list of str indexed by label, or None when unknown
-  variables       {"params": ..., <other collections, e.g. "batch_stats">: ...} as numpy arrays
-  step            the training step of the checkpoint
-  model_name      config.model_name, or None
-
-`write_exported` writes one (`ood_jax.train.export` does, from a workdir's checkpoint) and
+An exported detector is one self-contained msgpack file (docs/guide/detectors.md#export-formats).
+`write_exported` writes one (`ood_jax.train.export` does, from a workdir's checkpoint);
 `load_exported` reads it back and runs it without the training stack: nothing here imports
 optax, orbax or TensorFlow.
-
-    model = load_exported("detr.msgpack")
-    detections = model.predict(image_uint8)  # [H, W, 3] -> boxes (absolute xywh), scores, labels
 """
 
 from __future__ import annotations
@@ -61,8 +42,9 @@ def _forward(
 class ExportedModel:
     """An exported detector: the module, its variables and how its inputs were prepared.
 
-    `input_config` holds image_size, eval_size, max_size, mean and std (see the module
-    docstring); `predict` prepares images exactly as the evaluation pipeline does.
+    `input_config` holds image_size (the padded canvas side), eval_size (shorter side after
+    resizing), max_size (cap on the longer side), mean and std (per channel, on pixels scaled
+    to [0, 1]); `predict` prepares images exactly as the evaluation pipeline does.
     """
 
     module: nn.Module
@@ -181,7 +163,7 @@ def make_payload(
     step: int,
     model_name: str | None,
 ) -> dict[str, Any]:
-    """A detector's format-1 dict (see the module docstring).
+    """A detector's format-1 dict (docs/guide/detectors.md#export-formats).
 
     `model_config` is config.model as a dict, `input_config` config.input (image_size,
     eval_size and max_size are kept), `mean` and `std` the normalization the input pipeline

@@ -1,44 +1,9 @@
 """The focal set loss of Deformable DETR and DINO, with DINO's contrastive denoising terms.
 
-Matched heads. The final decoder output, every earlier decoder output ("aux") and the two-stage
-encoder proposals ("enc") are each matched on their own to the targets with
-`set_loss.hungarian_match` (optax, in-graph, padding-safe), on Deformable DETR's cost
-
-    cost_class * (pos - neg)[target class] + cost_bbox * L1 + cost_giou * -GIoU,
-    pos = alpha (1 - p)^gamma * -log(p + 1e-8),   neg = (1 - alpha) p^gamma * -log(1 - p + 1e-8),
-
-with p the sigmoid probabilities (transformers' `DeformableDetrHungarianMatcher`, IDEA-Research's
-`HungarianMatcher`).
-Each head is supervised with a sigmoid focal loss over all its queries and classes (one-hot of
-the matched target's class, all zeros for unmatched queries: there is no "no object" logit),
-summed and divided by num_boxes, plus L1 and 1 - GIoU over matched pairs, divided by num_boxes.
-That is transformers' `DeformableDetrImageLoss` (`sigmoid_focal_loss(...) * num_queries`).
-
-Encoder proposals. DINO supervises them exactly like a decoder layer, with the real class labels
-(its `interm_outputs` loss; the weight is `interm_loss_coef`, 1 by default, here
-`encoder_weight`). The original Deformable DETR two-stage instead collapses every class to class
-0 for the encoder (`bin_targets`), since it ranks proposals by logit 0 only; set
-`encoder_class_agnostic=True` for that. transformers' Deformable DETR computes no encoder loss at
-all. Encoder terms are reported with suffix "_enc" (DINO calls them "_interm").
-
-Denoising. Each decoder layer's denoising outputs are supervised without matching: positive
-copies of a real target get its class (focal loss) and its box (L1, GIoU); negative copies get
-an all-zero class target, i.e. are pushed to no class; every term is divided by num_boxes * G
-(G denoising groups), as DINO does. Denoising slots that copy a padded target are left out of the
-loss. (DINO pads its denoising queries to the largest target count of the batch and lets those
-padding queries into the focal loss as negatives; with static shapes the padding amount is a
-property of the input pipeline, so it must not change the loss.)
-
-Normalization. num_boxes defaults to the number of real targets in `targets`, which under `jit`
-with sharded inputs is already the global count; inside `shard_map`/`pmap` pass the global count.
-It is clamped to at least 1. Heads of equal shape are stacked and vmapped so the matcher's loops
-are traced and compiled once per shape, not once per layer.
-
-Training. `make_loss_fn(model, config, denoise)` is `set_loss.make_loss_fn` with
-`focal_set_loss` (and DINO's denoising queries when `denoise` configures them): the pure
-`(variables, batch, rng, mutable) -> (loss, (metrics, model_state))` that
-`ood_jax.models.deformable_detr.make_loss` and `ood_jax.models.dino.make_loss` return; the
-outputs reach the loss in float32 whatever the compute dtype (`set_loss.float32_outputs`).
+The final decoder output, every earlier one ("aux") and the two-stage encoder proposals ("enc")
+are each Hungarian-matched on Deformable DETR's focal cost and supervised with a sigmoid focal
+loss plus L1 and GIoU; denoising outputs are supervised without matching. `make_loss_fn` is
+`set_loss.make_loss_fn` with this loss and, for DINO, its denoising queries.
 """
 
 import dataclasses
@@ -189,6 +154,9 @@ def _denoising_losses(
     config: FocalSetLossConfig,
 ) -> dict[str, jax.Array]:
     """Terms of one decoder layer's denoising outputs [B, D, C], [B, D, 4]; no matching."""
+    # Slots copying a padded target are left out. DINO pads its denoising queries to the batch's
+    # largest target count and lets that padding into the focal loss as negatives; with static
+    # shapes the padding is a property of the input pipeline, so it must not change the loss.
     target_index = denoise["target_index"]
     valid = denoise["valid"] & jnp.take_along_axis(targets["mask"], target_index, axis=1)
     reconstruct = valid & denoise["positive"]
@@ -203,7 +171,8 @@ def _denoising_losses(
 def _per_head(
     fn: Callable[..., dict[str, jax.Array]], heads: Sequence[tuple[jax.Array, ...]]
 ) -> list[dict[str, jax.Array]]:
-    """`fn` applied to each head's arrays; heads of equal shapes are stacked and vmapped."""
+    """`fn` applied to each head's arrays; heads of equal shapes are stacked and vmapped, so the
+    matcher's loops are traced and compiled once per shape, not once per layer."""
     groups: dict[tuple, list[int]] = {}
     for i, arrays in enumerate(heads):
         groups.setdefault(tuple(a.shape for a in arrays), []).append(i)
@@ -308,7 +277,9 @@ def focal_set_loss(
         when jitting).
       denoise: the `make_cdn_queries` dict the model was run with; required exactly when
         outputs has "dn".
-      num_boxes: normalizer; defaults to the number of real targets (see the module docstring).
+      num_boxes: normalizer; defaults to the number of real targets, which under jit with
+        sharded inputs is already the global count; inside shard_map/pmap pass the global
+        count. Clamped to at least 1. Denoising terms are divided by num_boxes * G (G groups).
 
     Returns:
       (total, metrics): total is the weighted sum of every head's terms (encoder terms times
@@ -332,6 +303,9 @@ def focal_set_loss(
     heads = [(o["logits"], o["boxes"], labels) for o in [outputs, *aux]]
     head_weights = [1.0] * len(heads)
     if "enc" in outputs:
+        # DINO supervises the proposals with the real labels (its interm loss); the original
+        # two-stage Deformable DETR ranks proposals by logit 0 alone and so collapses every
+        # class to 0 (`bin_targets`). transformers' Deformable DETR has no encoder loss at all.
         enc_labels = jnp.zeros_like(labels) if config.encoder_class_agnostic else labels
         names.append("_enc")
         heads.append((outputs["enc"]["logits"], outputs["enc"]["boxes"], enc_labels))

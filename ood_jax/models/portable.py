@@ -1,23 +1,9 @@
 """A portable detector: its predict function as a serialized `jax.export` artifact.
 
-`ood-jax export --format stablehlo` writes a directory:
-
-  predict.jax_export  `jax.export.Exported.serialize()` of prepared images -> detections, the
-                      parameters folded in as constants, lowered for cpu, cuda and tpu in one
-                      module (StableHLO, with jax's calling convention)
-  contract.json       the input contract (shapes, dtypes, how images are prepared), the
-                      outputs, class names and where the model came from
-
-Loading it needs jax alone, none of ood_jax:
-
-    exp = jax.export.deserialize(bytearray(open("predict.jax_export", "rb").read()))
-    out = exp.call(images, mask)   # {"boxes", "labels", "scores"}, on any platform exported
-
-The batch is symbolic (any size) unless a fixed one is asked for. Images go in as the
-evaluation pipeline prepares them (`ExportedModel.preprocess`, `contract.json`'s
-"preprocessing"): resized, normalized and placed at the top-left of a square canvas, with a mask
-that is True on the image. Boxes come out normalized to the resized image (not the canvas), so
-multiplying by the source image's width and height gives pixels.
+`ood-jax export --format stablehlo` writes `predict.jax_export` (prepared images -> detections,
+parameters folded in, lowered for cpu, cuda and tpu in one module) and `contract.json` (inputs,
+preprocessing, outputs, class names, provenance). Loading it needs jax alone, none of ood_jax
+(docs/guide/detectors.md#export-formats).
 """
 
 from __future__ import annotations
@@ -110,7 +96,7 @@ def write_stablehlo(
     batch_size: int | None = None,
     platforms: Sequence[str] = PLATFORMS,
 ) -> pathlib.Path:
-    """Writes the artifact and its contract into `out_dir` (module doc) and returns it.
+    """Writes `ARTIFACT_FILE` and `CONTRACT_FILE` into `out_dir` and returns it.
 
     Both are written into a staging directory beside `out_dir` that then takes its place, so a
     reader sees the previous export or the whole new one. An `out_dir` that holds anything but

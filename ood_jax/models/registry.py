@@ -1,24 +1,10 @@
-"""Detector families by name, so configs stay data:
-`config.model = {"name": ..., "args": {...}, "dtype": ...}`.
+"""Detector families by name, so configs stay data: `config.model = {"name", "args", "dtype"}`.
 
-A family is a module of `ood_jax.models` (`FAMILIES` maps config names to them), imported when
-first asked for. Every family module exports the same surface:
-
-  * `Model`: the Flax detector class; `Model(**config.model.args)` builds it, and its
-    `family` class attribute is its name here;
-  * `postprocess(outputs) -> {"scores", "labels", "boxes"}`: detections from the model's outputs;
-  * `make_loss(config, model) -> LossFn`: the family's training loss (its matcher and set loss)
-    with `config.loss` weights and whatever else the family reads from the config;
-  * `load_backbone(model_args, path) -> variables`: pretrained backbone variables for the flat
-    `config.model.args`.
-
-`config.model.dtype` is the detector's compute dtype, one switch for every family
-(`COMPUTE_DTYPES`; "float32" when absent, as in configs and exported files from before it):
-`build_model` passes it as the model's `dtype`. Parameters stay float32 in either, and every
-family returns float32 logits and boxes.
-
-Importing a family does not import the training stack: the losses (optax) are imported by
-`make_loss` only.
+A family is a module of `ood_jax.models` (`FAMILIES`), imported when first asked for, exporting
+one surface: `Model` (the Flax class, built as `Model(**config.model.args)`), `postprocess`,
+`make_loss` and `load_backbone` (docs/guide/detector-models.md). `config.model.dtype` is every
+family's compute dtype. Importing a family does not import the training stack: `make_loss`
+imports the losses (optax).
 """
 
 from __future__ import annotations

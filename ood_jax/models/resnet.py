@@ -1,28 +1,10 @@
 """ResNet / ResNeXt backbones in torchvision's "v1.5" layout, NHWC.
 
-`ResNet.__call__(images [B, H, W, 3], train=False)` returns every stage's feature map,
-`{"stage1": stride 4, "stage2": 8, "stage3": 16, "stage4": 32}` (stage4 at stride 16 with
-`dilation=True`), so a detector takes the levels it needs. The stride of a downsampling
-bottleneck sits in its 3x3 convolution, as in torchvision and timm; the projection shortcut
-exists where the channel count or the stride changes, as in torchvision, timm and transformers.
-
-`norm` picks the normalization:
-  * "batch": trainable BatchNorm (scale/bias in "params", running mean/var in "batch_stats",
-    updated when `train=True` with the "batch_stats" collection mutable).
-  * "frozen": BatchNorm with fixed statistics and affine, as detectors fine-tune ImageNet
-    backbones. All four tensors live in "batch_stats" rather than "params": an optimizer built
-    on params never sees them, and a train loop that already threads "batch_stats" needs no
-    special case. Nothing ever writes them back, so they stay as loaded.
-
-`dilation=True` replaces the last stage's stride with dilation 2 (DETR-DC5); its first block
-keeps dilation 1 in the convolution that used to stride, as torchvision and timm do.
-
-`frozen_stages=N` puts the stem and the first N stages behind a stop_gradient: DETR keeps the
-ImageNet stem and first stage fixed, and the backward pass then skips them entirely (the
-optimizer should leave their parameters alone too, see `optim.make_optimizer`'s
-`frozen_pattern`).
-
-Every convolution uses `conv.conv_general_dilated`, whose gradients are fast on CPU.
+`ResNet` returns every stage's feature map, so a detector takes the levels it needs, with
+trainable or frozen BatchNorm (`norm`), DETR-DC5's dilated last stage (`dilation`) and no
+gradient into the first stages (`frozen_stages`). As in torchvision and timm, a downsampling
+bottleneck strides in its 3x3 convolution, and the projection shortcut exists where the channel
+count or the stride changes.
 """
 
 from typing import Any, Callable, ClassVar, Literal
@@ -61,6 +43,9 @@ class FrozenBatchNorm(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         shape = (x.shape[-1],)
 
+        # All four tensors live in "batch_stats", not "params": an optimizer built on params never
+        # sees them, a train loop that already threads "batch_stats" needs no special case, and
+        # nothing writes them back, so they stay as loaded.
         def stat(name: str, init: Callable[..., jax.Array]) -> jax.Array:
             return self.variable("batch_stats", name, init, shape, jnp.float32).value
 
@@ -172,7 +157,10 @@ BLOCKS: dict[str, type[_Block]] = {"basic": BasicBlock, "bottleneck": Bottleneck
 
 
 class ResNet(nn.Module):
-    """ResNet trunk without classifier; see the module docstring.
+    """ResNet trunk without classifier.
+
+    `__call__(images [B, H, W, 3], train=False)` returns {"stage1": stride 4, "stage2": 8,
+    "stage3": 16, "stage4": 32} (stage4 at stride 16 with `dilation`).
 
     Attributes:
       stage_sizes: blocks per stage.
@@ -180,9 +168,13 @@ class ResNet(nn.Module):
       planes: per-stage base width; a stage outputs planes * expansion channels.
       stem_width: channels of the 7x7 stem convolution.
       groups, width_per_group: ResNeXt cardinality and width (64 and 1 for plain ResNets).
-      norm: "batch" or "frozen".
+      norm: "batch" (trainable BatchNorm; running statistics in "batch_stats", updated when
+        `train=True` with that collection mutable) or "frozen" (`FrozenBatchNorm`: fixed
+        statistics and affine, as detectors fine-tune ImageNet backbones).
       dilation: dilate the last stage instead of striding (DC5).
-      frozen_stages: no gradient flows into the stem and the first this many stages.
+      frozen_stages: no gradient flows into the stem and the first this many stages (DETR keeps
+        the ImageNet stem and first stage fixed), so the backward pass skips them; the optimizer
+        should leave their parameters alone too (`optim.make_optimizer`'s `frozen_pattern`).
       dtype: compute dtype; parameters stay float32.
     """
 
@@ -233,6 +225,8 @@ class ResNet(nn.Module):
         last = len(self.stage_sizes) - 1
         for i, (num_blocks, planes) in enumerate(zip(self.stage_sizes, self.planes)):
             stride = 1 if i == 0 else 2
+            # The dilated stage's first block keeps the previous dilation in the convolution that
+            # used to stride, as torchvision and timm do.
             first_dilation = dilation
             if self.dilation and i == last:
                 dilation, stride = dilation * stride, 1

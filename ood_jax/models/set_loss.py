@@ -1,43 +1,10 @@
 """DETR's softmax set-prediction loss with in-graph Hungarian matching (Carion et al., 2020).
 
-Each decoder output (the final one and every auxiliary one) is matched on its own to the targets
-with `optax.assignment.hungarian_algorithm`, vmapped over the batch, on DETR's cost
-
-    cost_class * -p(target class) + cost_bbox * L1(cxcywh) + cost_giou * -GIoU,
-
-and then supervised with softmax cross-entropy over `num_classes + 1` (the last class is
-"no object", weighted `eos_coef`), plus L1 and 1 - GIoU on the matched pairs. Everything has fixed
-shapes and stays on device: no host callbacks, no Python loops over examples.
-
-Precision. Matching costs and losses are float32 whatever the model computes in
-(`config.model.dtype`): the training losses read the model's outputs through
-`float32_outputs`, the one cast between a bfloat16 forward pass and the loss.
-
-Padding. Targets come padded to `max_boxes` with a validity mask. With Q queries and M target
-slots, the matcher assigns every one of the M columns to one of N = max(Q, M) rows:
-
-  * Padded target columns cost `fill` for every query, where `fill` exceeds every real cost in
-    that image. A column whose cost is the same for every query adds the same amount to every
-    complete assignment, so it cannot change which queries the real targets get.
-  * When M > Q, N - Q dummy query rows of cost 0 are appended. A real query sitting on a padded
-    column while some real column is held by a dummy row could swap with it and lower the total
-    by `fill - cost > 0`, so the optimum gives real targets to real queries first: exactly
-    min(Q, R) of the R real targets are matched, optimally, as scipy's `linear_sum_assignment` on
-    the [Q, R] real costs.
-
-Non-finite costs (a diverged prediction) are replaced by `fill` as well, so such a pair is only
-used when nothing else is left, as transformers' matcher does.
-
-Normalization. The box terms are divided by the number of real boxes in the batch, at least 1,
-as DETR does across devices. Under `jax.jit` with sharded inputs the arrays are global, so the
-mask sum already counts every box on every device and host; only inside `shard_map`/`pmap`,
-where arrays are per-device, pass the global count as `num_boxes`. The classification term is the
-weighted mean over all queries of the batch, as torch's `cross_entropy(weight=...)`.
-
-Training. `make_loss_fn(model, loss)` wraps the forward pass and a set loss (this one, or the
-focal set loss) into the pure `(variables, batch, rng, mutable) -> (loss, (metrics, model_state))`
-every family's `make_loss` returns; it and `config_weights` are what the families' training
-losses share. `hungarian_match` also serves the focal set loss (`ood_jax.models.focal_set_loss`).
+Every decoder output is matched on its own to the padded targets (`hungarian_match`: optax,
+vmapped, fixed shapes, no host callbacks) and supervised with softmax cross-entropy plus L1 and
+GIoU on the matched pairs, in float32 whatever the model computes in (`float32_outputs`).
+`make_loss_fn` and `config_weights` are what every family's `make_loss` shares; the focal set
+loss (`ood_jax.models.focal_set_loss`) reuses `hungarian_match`.
 """
 
 import dataclasses
@@ -100,6 +67,14 @@ def hungarian_match(cost: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Ar
       matched: [M] bool, True for the real targets that got a query (all of them unless R > Q).
     """
     num_queries, num_slots = cost.shape
+    # Padded target columns, and non-finite costs (a diverged prediction), cost `fill`, above
+    # every real cost of the image: a column of equal costs adds the same to every complete
+    # assignment, so it cannot change which queries the real targets get, and a non-finite pair
+    # is used only when nothing else is left (as transformers' matcher does). With M > Q, dummy
+    # rows of cost 0 are appended; a real query on a padded column while a dummy row holds a real
+    # column could swap with it and lower the total by fill - cost > 0, so real targets get real
+    # queries first: min(Q, R) of them, optimally, as scipy's linear_sum_assignment on the real
+    # [Q, R] costs.
     real = mask[None, :] & jnp.isfinite(cost)
     fill = jnp.max(jnp.where(real, cost, -jnp.inf), initial=0.0) + 1.0
     cost = jnp.where(real, cost, fill)
@@ -136,6 +111,7 @@ def _level_losses(
     )(scatter_to, labels.astype(jnp.int32))
     log_prob = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(log_prob, target_classes[..., None], axis=-1)[..., 0]
+    # A weighted mean over every query of the batch, as torch's cross_entropy(weight=...).
     class_w = jnp.where(target_classes == no_object, config.eos_coef, 1.0)
     loss_ce = jnp.sum(class_w * nll) / jnp.sum(class_w)
 
@@ -186,7 +162,9 @@ def set_loss(
       config: loss and matching weights (hashable: bind it with functools.partial or pass it as
         a static argument when jitting).
       num_boxes: the box-loss normalizer; defaults to the number of real targets in `targets`,
-        which is the global count under jit (see the module docstring). Clamped to at least 1.
+        which under jit with sharded inputs is already the global count, as DETR normalizes
+        across devices; inside shard_map/pmap, where arrays are per device, pass the global
+        count. Clamped to at least 1.
       num_query_groups: Group DETR training (see `models.detr.DETR`): the Q queries are this
         many groups, each matched to the targets on its own; the loss is their mean, so its
         scale does not depend on the number of groups.

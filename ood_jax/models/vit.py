@@ -1,26 +1,9 @@
-"""Plain ViT backbone for detection.
+"""Plain pre-norm ViT: a detection backbone, and the image tower of CLIP and SigLIP.
 
-The encoder is the standard pre-norm ViT (timm's `VisionTransformer` with `global_pool="token"`,
-no layer scale, no register tokens): a patch-embedding convolution with stride = patch size, an
-optional class token, learned absolute position embeddings, pre-norm blocks (LayerNorm eps 1e-6,
-multi-head self-attention, exact-GELU MLP) and a final LayerNorm.
-
-`ViT.__call__(images [B, H, W, C], train=False)` returns `{"features": [B, H // p, W // p, D]}`:
-the normalized patch tokens as a feature map at stride `p`. The class token, when present, takes
-part in attention but is dropped from the output. Pixels past the last full patch are ignored, as
-in timm, so detection inputs should be padded to a multiple of `p`.
-
-The same encoder is the image tower of CLIP and SigLIP (`ood_jax.scorers`), which differ from timm's
-defaults in a few switches: the MLP activation (`activation`: CLIP's quick GELU, SigLIP's tanh
-GELU), the LayerNorm epsilon, a patch embedding without bias, a LayerNorm before the first block
-(`ln_pre`, as in CLIP) and a pooled output (`pool_type`: the class token as CLIP, or the
-multihead attention-pooling head of big_vision's `MAPHead` as SigLIP), returned as
-`{"pooled": [B, D]}` next to the feature map.
-
-Position embeddings are learned on a fixed grid (`pos_grid`, 14x14 for 224px pretraining) and are
-resampled at apply time to the input's patch grid with the antialiased interpolation of timm's
-`resample_abs_pos_embed` (what timm's `dynamic_img_size=True` does). Shapes are static under jit,
-so this costs one compilation per input resolution and works for any resolution.
+The standard encoder (timm's `VisionTransformer` with `global_pool="token"`, no layer scale, no
+register tokens), plus the switches CLIP and SigLIP need (`ood_jax.scorers`). Position
+embeddings are stored on a fixed grid and resampled at apply time to the input's patch grid, as
+timm's `dynamic_img_size=True` does: any resolution, one compilation per resolution.
 """
 
 from typing import Any
@@ -173,7 +156,12 @@ class MAPHead(nn.Module):
 
 
 class ViT(nn.Module):
-    """ViT encoder returning a stride-`patch_size` feature map; see the module docstring.
+    """ViT encoder returning a stride-`patch_size` feature map.
+
+    `__call__(images [B, H, W, C], train=False)` returns {"features": [B, H // p, W // p, D]},
+    the normalized patch tokens, and with `pool_type` "pooled" [B, D]. The class token takes
+    part in attention but is not in "features". Pixels past the last full patch are ignored, as
+    in timm, so detection inputs should be padded to a multiple of `patch_size`.
 
     Attributes:
       width, depth, num_heads, mlp_dim, patch_size: the architecture (see `VARIANTS`).

@@ -1,18 +1,10 @@
-"""Effective robustness (Taori et al. 2020, "Measuring Robustness to Natural Distribution Shifts
-in Image Classification"; Radford et al. 2021, CLIP): a line fitted to held-out against
-in-domain scores across the runs of one shift, and each run's distance from it.
+"""Effective robustness (Taori et al. 2020; Radford et al. 2021, CLIP): a line fitted to held-out
+against in-domain scores across the runs of one shift, and each run's distance from it.
 
-The runs' pairs are grouped by the shift they measure (`runs.Shift`: benchmark, metric, what
-each score is over), one panel each; scores of different metrics or shifts never share a fit.
-By default (`scale="logit"`) the fit is least squares of logit(held-out) on logit(in-domain),
-as those papers fit accuracies: across models the trend is closer to linear there.
-`scale="linear"` fits the scores themselves. A run's effective robustness is its held-out score
-minus the fit's prediction at its in-domain score, in score units (+0.02: two points of
-accuracy or AP above the trend); the uncertainty of the fit itself is not in it.
-
-A panel gets no fit with fewer than MIN_RUNS runs (two points fix a line through both, leaving
-each run 0) or when every run has the same in-domain score; under the logit scale a panel where
-a score is 0 or 1, which has no logit, is fitted on linear scores. The panel says which.
+Pairs are grouped by the shift they measure (`runs.Shift`), one panel each, so scores of
+different metrics or shifts never share a fit. The fit is least squares on logit scores by
+default, as those papers fit accuracies (across models the trend is closer to linear there); a
+run's effective robustness is its held-out score minus the fit's prediction, in score units.
 """
 
 from __future__ import annotations
@@ -25,6 +17,7 @@ import numpy as np
 from ood_jax.report.runs import Pair, Run, Shift
 
 SCALES = ("logit", "linear")
+# Two runs fix a line through both, leaving each 0.
 MIN_RUNS = 3
 
 

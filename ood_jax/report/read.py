@@ -1,41 +1,10 @@
 """Run directories -> `runs.Run` records: what each writer leaves, and what the report takes.
 
-Detector workdirs (`ood-jax train` / `evaluate`; ood_jax/detection/evaluation.py):
-  results.json  {"step", "iid": {the 12 COCO stats}, "per_domain": {domain: {...}},
-                "ood_average": {...}, "intervals": {"iid": {"AP": {"low", "high", ...}, ...},
-                "per_domain": {domain: {...}}, "ood_average": {...}}} (no intervals in older
-                workdirs); AP is -1 for a split without ground truth.
-  manifest.json "config": {"model_name"}, "dataset": {"name", "config"} (ood_jax/train/train.py).
-  Pair: AP in-domain (iid) vs the mean AP over the held-out domains, COUNTS' Table 2. Runs
-  share a scatter only when evaluated on the same dataset and the same held-out domains.
-
-eval-mllm outputs (`ood-jax eval-mllm`, ood_jax/eval/results.py `build_results`): results.json
-holds the run's identity ("benchmark", "client": openai | transformers for an MLLM, clip for
-the CLIP baseline, "model"), "complete", and the task's results (ood_jax/eval/tasks/):
-  foci          "datasets" [config names]; "per_dataset" {config: {"accuracy", "accuracy_ci"}}
-                when there are several, else the one dataset's numbers at the top level;
-                "per_split" {config: {split: {...}}} (ImageNet-1k's class halves, GeoDE's
-                regions). Pair: ImageNet-1k vs each of ImageNet-A, -R and -Sketch the run holds,
-                the shifts of effective robustness' papers; other datasets are different
-                tasks, not shifts of one another, so a run without such a pair is in the
-                per-domain bars only.
-  oodbench      "setting"; "splits" {"id" | "ood_s" | "ood_h": {"accuracy", "accuracy_ci",
-                "f1", ...}}. Pairs: accuracy on ID vs OOD-S, and ID vs OOD-H (F1, which has
-                no interval in results.json, is in the bars).
-  oodbench-bap  "splits" {split: {"bap", "bap_ci", ...}}. Pairs: BAP (C/N) on ID vs OOD-S, OOD-H.
-  counts-oodg   {task: [{"setting", "ice", score, "per_domain": {domain: {...}}}]} with score
-                "accuracy" (+ "accuracy_ci") for grounding and mapping, "mAP" for localization.
-                COUNTS OODG moves the shift into the in-context examples, so the pair is a
-                task's score with examples from the test's domain (setting iid) vs from a
-                shifted setting (covariate_shift, label_shift, spurious_correlation) at the
-                same number of examples.
-
-corruptions.json (any run directory): {"metric": "AP" | "accuracy" | "F1", "clean": float,
-"scores": {corruption: {"1": float, ..., "5": float}}, "mPC": float, "rPC": float | null}
-(ood_jax/metrics/robustness.py: rPC is null where the clean score is not positive); a
-directory may hold it alone.
-
-Mining outputs (splits, options, items) hold no scores and are not runs.
+A run directory is a detector workdir (`ood-jax train` / `evaluate`), an eval-mllm output (an
+MLLM or the CLIP baseline) or any directory holding a corruptions.json. Each gives its scores
+per domain and, where a benchmark defines an in-domain / held-out pair, the pairs the
+effective-robustness fit plots; mining outputs hold no scores and are not runs. The files and
+pairs read: docs/guide/report.md.
 """
 
 from __future__ import annotations
@@ -64,6 +33,8 @@ SEVERITIES = (1, 2, 3, 4, 5)
 # so: the rounding of a writer that keeps three decimals.
 CONSISTENCY_TOLERANCE = 5e-4
 
+# ImageNet-1k against ImageNet-A, -R and -Sketch: the shifts of effective robustness' papers.
+# FOCI's other datasets are different tasks, not shifts of one another: no pair.
 FOCI_IN_DOMAIN = "imagenet_1k"
 FOCI_SHIFTS = {
     "imagenet_a": "ImageNet-A",
@@ -71,6 +42,8 @@ FOCI_SHIFTS = {
     "imagenet_sketch": "ImageNet-Sketch",
 }
 OODBENCH_SPLITS = {"id": "ID", "ood_s": "OOD-S", "ood_h": "OOD-H"}
+# COUNTS OODG moves the shift into the in-context examples: the pair is a task's score with
+# examples from the test's domain against a shifted setting, at the same number of examples.
 OODG_IN_DOMAIN = "iid"
 OODG_SHIFTED = ("covariate_shift", "label_shift", "spurious_correlation")
 OODG_METRICS = {"grounding": "accuracy", "mapping": "accuracy", "localization": "mAP"}
@@ -181,6 +154,7 @@ def _detector(name: str, path: pathlib.Path, results: Mapping[str, Any]) -> Run:
     about = manifest.read(path / manifest.MANIFEST_FILE) or {}
     dataset = about.get("dataset") or {}
     data = "/".join(str(dataset[k]) for k in ("name", "config") if dataset.get(k))
+    # Runs share a scatter only when evaluated on the same dataset and held-out domains.
     benchmark = f"O(OD)² on {data}" if data else "O(OD)²"
     intervals = results.get("intervals") or {}
     domains = results["per_domain"]

@@ -1,25 +1,9 @@
 """BERT (Devlin et al. 2019) as the text tower of a two-tower model, as LiT's BERT towers run it.
 
-LiT-B16B, LiT-B16B_2 and LiT-L16L (Zhai et al. 2022) embed text with flaxformer's `BertEncoder`
-(google/flaxformer flaxformer/architectures/bert/bert.py, with `configs.BertBaseConfig` /
-`BertLargeConfig`), wrapped by vit_jax's `models_lit.BertModel` and big_vision's
-`models/proj/flaxformer/bert.Model`. At inference that is:
-
-  * embeddings: word + absolute position (0 .. L-1) + segment (token type) embeddings, every
-    segment id 0 (both wrappers pass `segment_ids=zeros`), then a LayerNorm;
-  * post-norm layers: `x = LN(x + Attention(x))`, `x = LN(x + MLP(x))`, every projection biased;
-    the MLP activation is flax's `nn.gelu`, whose default is the tanh approximation (as original
-    BERT's; transformers calls it "gelu_new"), and LayerNorm epsilon is 1e-12 (both configs);
-  * the padding mask `input_mask = tokens != 0`: LiT's tokenizer pads with 0 and passes no mask
-    (vit_jax preprocess.py: "Recovered from zero padding in model");
-  * the pooled output: the first ([CLS]) state of the last layer as it is, no BERT pooler
-    (Dense + tanh): the wrappers take `x[:, 0]` and big_vision's `load` drops the pooler weights
-    of the BERT checkpoint it starts from. The tower's `head`, a Dense with bias, projects it.
-
-Padding: flaxformer masks a (query, key) pair when either is padding (`make_attention_mask(mask,
-mask)`); here padding hides keys only, as in transformers' `BertModel`. The two differ only in the
-states at padding positions, which no real position attends to, so the [CLS] state is the same,
-and every state is transformers'.
+LiT-B16B, LiT-B16B_2 and LiT-L16L (Zhai et al. 2022) embed text with flaxformer's `BertEncoder`,
+wrapped by vit_jax's `models_lit.BertModel` and big_vision's `proj/flaxformer/bert.Model`. At
+inference that is word + position + segment embeddings, post-norm layers, tanh GELU, zero
+padding masked, and the [CLS] state without BERT's pooler (docs/guide/scorer-models.md).
 """
 
 import functools
@@ -90,11 +74,15 @@ class BertEncoder(nn.Module):
         embed = functools.partial(nn.Embed, features=self.width, dtype=self.dtype)
         x = embed(self.vocab_size, name="word_embeddings")(input_ids)
         x = x + embed(self.num_positions, name="position_embeddings")(jnp.arange(length))
+        # Every segment id is 0: both LiT wrappers pass `segment_ids=zeros`.
         x = x + embed(self.num_segments, name="segment_embeddings")(jnp.zeros_like(input_ids))
         x = nn.LayerNorm(epsilon=self.ln_eps, dtype=self.dtype, name="embed_norm")(x)
 
         valid = input_ids != self.pad_token_id if attention_mask is None else attention_mask != 0
-        mask = valid[:, None, None, :]  # padding hides keys (module docstring)
+        # Padding hides keys only, as in transformers' BertModel; flaxformer masks a pair when
+        # either is padding. They differ only in the states at padding positions, which no real
+        # position attends to, so the [CLS] state is the same and every state is transformers'.
+        mask = valid[:, None, None, :]
         for i in range(self.depth):
             x = BertLayer(
                 self.num_heads,
@@ -109,6 +97,9 @@ class BertEncoder(nn.Module):
 
 class BertTextTower(nn.Module):
     """[B, L] token ids (+ optional mask) -> [B, proj_dim]: the [CLS] state, projected.
+
+    No BERT pooler (Dense + tanh): the LiT wrappers take `x[:, 0]`, and big_vision's `load`
+    drops the pooler weights of the BERT checkpoint it starts from.
 
     A text tower for `clip.CLIP` (its `text`), beside `towers.TextTower`.
 

@@ -1,41 +1,9 @@
 """BLIP-2 (Li et al. 2023) image-text scoring in Flax: transformers' `Blip2ForImageTextRetrieval`.
 
-BLIP-2 bridges a frozen image encoder and text through the Q-Former, a small BERT whose input
-starts with `num_query_tokens` learned query vectors:
-
-  * image encoder: a pre-norm ViT (EVA ViT-g in the released models) with a class token, learned
-    position embeddings and a final LayerNorm (transformers' `post_layernorm`, LAVIS'
-    `ln_vision`); every one of its 1 + P states is handed to the Q-Former. It is `vit.ViT`:
-    transformers packs q, k and v into one Linear whose bias is (q_bias, 0, v_bias), which is
-    three biased projections with the key's bias zero (a free tensor in transformers, so the
-    converter copies whatever that third holds).
-  * Q-Former: BERT-style post-norm layers, `LayerNorm(x + sublayer(x))`, after a LayerNorm on the
-    embedded input. The query tokens and the text are one sequence for self-attention, but only
-    the query positions cross-attend to the image states (in every `cross_attention_frequency`-th
-    layer, from the first) and the two kinds of positions have feed-forward layers of their own
-    ("query_ffn" / "text_ffn": transformers' `intermediate_query` / `output_query` and
-    `intermediate` / `output`). Text is embedded with word plus absolute position embeddings
-    (positions count from 0 at the first text token) and attends under its padding mask.
-
-Three ways of running the Q-Former make the scores (`BLIP2` methods):
-
-  * image-text contrastive (ITC), `__call__`: the queries alone, with the image, each projected
-    by `vision_projection` into [B, Q, D]; the text alone (no queries, no image), its first
-    ([CLS]) state projected by `text_projection`. The score of an (image, text) pair is the
-    largest cosine over the Q queries. transformers applies no temperature; BLIP-2's learned one
-    (LAVIS' `temp`) is not in its checkpoints (`convert_blip2.blip2_from_lavis` returns it).
-  * image-text matching (ITM), `itm_logits`: queries and text together, the queries attending to
-    the image; `itm_head` classifies every query output into (no match, match) and the logits
-    are averaged over the queries: softmax(itm_logits)[:, 1] is the match probability. It takes
-    `vision_states`, so that one image's encoder pass serves every text paired with it.
-
-Text ids are plain tokenizer output ([CLS] text [SEP], BERT's uncased vocabulary). BLIP-2 trained
-ITC with 32 text tokens (LAVIS' `max_txt_len`), the Q-Former's 512 position embeddings
-notwithstanding: `text_length` is what a scorer should pad and truncate to.
-
-The image encoder computes in its `dtype`; the Q-Former in its own, float32 as transformers keeps
-it (`_keep_in_fp32_modules`), so the image states are handed over in float32. Parameters are
-float32 and outputs float32.
+BLIP-2 bridges a frozen image encoder (`vit.ViT`; EVA ViT-g in the released models) and text
+through the Q-Former, a small BERT whose input starts with learned query tokens. `BLIP2` scores
+an (image, text) pair by image-text contrast (ITC, `__call__`) or by its matching head (ITM,
+`itm_logits`). Architecture: docs/guide/scorer-models.md.
 """
 
 from typing import Any
@@ -104,7 +72,13 @@ class QFormerLayer(nn.Module):
 
 
 class QFormer(nn.Module):
-    """Query tokens and/or text ids -> [B, Q + L, width] Q-Former states (module docstring).
+    """Query tokens and/or text ids -> [B, Q + L, width] Q-Former states.
+
+    BERT-style post-norm layers after a LayerNorm on the embedded input. Queries and text are one
+    sequence for self-attention, but only the query positions cross-attend to the image states,
+    and each kind of position has its own feed-forward ("query_ffn" / "text_ffn": transformers'
+    `intermediate_query` / `output_query` and `intermediate` / `output`). Text is embedded with
+    word plus absolute position embeddings, positions counting from 0 at the first text token.
 
     Attributes:
       vocab_size, max_len: word and position table sizes; text length must be <= max_len.
@@ -173,7 +147,14 @@ class QFormer(nn.Module):
 
 
 class BLIP2(nn.Module):
-    """The ITC and ITM scores of BLIP-2; see the module docstring.
+    """The ITC and ITM scores of BLIP-2.
+
+    ITC (`__call__`): the queries alone, with the image, each projected into [B, Q, D]; the text
+    alone, its first ([CLS]) state projected; a pair's score is the largest cosine over the
+    queries. transformers applies no temperature; BLIP-2's learned one is not in its checkpoints
+    (`convert_blip2.blip2_from_lavis` returns it). ITM (`itm_logits`): queries and text together,
+    the queries attending to the image; softmax(itm_logits)[:, 1] is the match probability. Text
+    ids are plain tokenizer output ([CLS] text [SEP], BERT's uncased vocabulary).
 
     Attributes:
       vision: the image encoder, a `vit.ViT` with a class token and pool_type "tok" (its pooled
@@ -233,6 +214,8 @@ class BLIP2(nn.Module):
         out = self.vision(images, train=False)
         b, _, _, d = out["features"].shape
         tokens = [out["pooled"][:, None], out["features"].reshape(b, -1, d)]
+        # The Q-Former computes in its own dtype, float32 as transformers keeps it
+        # (`_keep_in_fp32_modules`), so the states are handed over in float32.
         return jnp.concatenate(tokens, axis=1).astype(jnp.float32)
 
     def image_features(self, images: jax.Array) -> jax.Array:
@@ -256,7 +239,8 @@ class BLIP2(nn.Module):
         attention_mask: jax.Array | None = None,
     ) -> jax.Array:
         """`vision_states` [B, S, W] and the paired texts [B, L] -> [B, 2] (no match, match)
-        logits, averaged over the query positions."""
+        logits, averaged over the query positions. It takes `vision_states`, so that one
+        image's encoder pass serves every text paired with it."""
         queries = self._queries(vision_states.shape[0])
         x = self.qformer(queries, input_ids, attention_mask, vision_states)
         return self.itm_head(x[:, : self.num_query_tokens]).mean(axis=1).astype(jnp.float32)

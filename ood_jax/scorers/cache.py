@@ -1,23 +1,10 @@
 """A resumable on-disk cache of embeddings keyed by example id.
 
-    cache = EmbeddingCache("work/clip_cache", shard_size=4096, identity=scorer.identity)
-    features = cache.compute(paths, fetch_fn=read_images, encode_fn=scorer.encode_images)
-
-Each id's embedding is an array of one fixed shape per cache: [D] for a pooled embedding, or
-[Q, D] for a scorer with several embeddings per image (BLIP-2's query tokens).
-
-`compute` looks every id up in the shards already written, then fetches and encodes the missing
-ones `shard_size` at a time, writing each group as a shard (npz with "ids" and float32
-"embeddings", written beside its final name and renamed, so a shard is either whole or absent)
-before starting the next. A run killed part way loses at most the shard in progress: rerunning
-it reads the finished shards and encodes the rest, and returns the same array as a run that was
-never interrupted.
-
-manifest.json records the scorer's identity (checkpoint path, config hash, dtype, ...: whatever
-`identity` holds) and the shape of one embedding; opening the directory with another identity fails
-instead of mixing embeddings of two models. Ids are compared as strings. One writer at a time:
-with several processes (their scorer's batches split over all their devices), every process
-computes and the first one writes, so the directory must be one they all see.
+`EmbeddingCache.compute` returns the embeddings of a list of ids, fetching and encoding only the
+ones no shard holds yet, `shard_size` at a time, each group written as a shard before the next
+is started: a run killed part way loses at most the shard in progress, and its rerun returns
+what an uninterrupted run would. manifest.json records the scorer's identity, so embeddings of
+two models never mix. Usage: docs/guide/scorer-models.md.
 """
 
 import hashlib
@@ -43,7 +30,12 @@ def _canonical(identity: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class EmbeddingCache:
-    """Embeddings of examples, by id, in shards under `directory` (see the module docstring).
+    """Embeddings of examples, by id, in shards under `directory`.
+
+    Each id's embedding has one fixed shape per cache: [D] for a pooled embedding, or [Q, D]
+    for a scorer with several per image (BLIP-2's query tokens). A shard is an npz of "ids" and
+    float32 "embeddings". One writer at a time: with several processes every one computes and
+    the first writes, so the directory must be one they all see.
 
     Args:
       directory: created if missing.
@@ -130,6 +122,7 @@ class EmbeddingCache:
         numbers = [int(SHARD_PATTERN.fullmatch(p.name).group(1)) for p in self.shard_paths()]
         path = self.directory / f"shard-{max(numbers, default=-1) + 1:06d}.npz"
         ids_array = np.asarray(list(ids), dtype=str)
+        # Written beside its final name and renamed: a shard is whole or absent.
         buffer = io.BytesIO()
         np.savez(buffer, ids=ids_array, embeddings=embeddings)
         files.write_atomic(path, buffer.getvalue())

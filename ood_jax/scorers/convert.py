@@ -1,22 +1,10 @@
 """CLIP / SigLIP checkpoints -> `clip.CLIP` / `siglip.SigLIP` modules and Flax variables.
 
-  * `load_hf(path)`: a transformers `CLIPModel` or `SiglipModel` directory (config.json plus
-    model.safetensors, a sharded model.safetensors.index.json, or pytorch_model.bin read with
-    `torch.load(weights_only=True)`) -> `(kind, module, variables, config)`.
-  * `module_from_config(config)`: the module a transformers config dict describes. Fields missing
-    from a sub-config take transformers' defaults for that model (hub configs often list only the
-    fields that differ).
-  * `clip_from_open_clip(state_dict)`: an open_clip `CLIP` state dict (e.g. ViT-L-14
-    laion2b_s32b_b82k, which FOCI mines with) -> `(module, variables)`, the architecture read off
-    the tensor shapes.
-
-Every conversion accounts for every tensor: it fails, listing them, on a source tensor it did not
-use, a module parameter it did not fill, or a shape that does not match. Only buffers that are not
-weights are dropped on purpose (`position_ids`, open_clip's causal `attn_mask`).
-
-Layouts: torch Linear [out, in] -> Dense kernel [in, out]; Conv2d [O, I, kh, kw] -> [kh, kw, I, O];
-attention projections -> flax's per-head [D, heads, head_dim] (query/key/value) and
-[heads, head_dim, D] (out) kernels; torch's packed `in_proj_weight` [3D, D] is split into q, k, v.
+`load_hf` reads a transformers `CLIPModel` or `SiglipModel` directory; `module_from_config`
+builds the module its config describes; `clip_from_open_clip` reads an open_clip state dict, the
+architecture read off the tensor shapes. `TensorMapping` is the torch -> Flax layout machinery
+the other scorer converters share. Every tensor is accounted for: an unused source tensor, an
+unfilled parameter or a shape mismatch fails, listing them.
 """
 
 import json
@@ -115,7 +103,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
 
 
 def sub_config(config: Mapping[str, Any], name: str, defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """A sub-config with transformers' defaults filled in (CLIP's legacy `*_config_dict` wins)."""
+    """A sub-config with transformers' defaults filled in (CLIP's legacy `*_config_dict` wins):
+    hub configs often list only the fields that differ."""
     section = config.get(f"{name}_dict") or config.get(name) or {}
     if not isinstance(section, dict):
         raise ValueError(f"{CONFIG_FILE}: {name} must be an object, got {type(section).__name__}")

@@ -1,26 +1,10 @@
 """transformers `Blip2ForImageTextRetrieval` checkpoints -> `blip2.BLIP2` modules and variables.
 
-  * `blip2_from_hf(path)`: a Blip2ForImageTextRetrieval directory (the `blip2-itm-vit-g` family:
-    config.json plus the weights `convert` reads) -> `(kind, module, variables, config)`, as
-    `convert.load_hf`.
-  * `blip2_module(config)`: the module a transformers `Blip2Config` dict describes, with
-    transformers' defaults for the fields a sub-config leaves out.
-  * `blip2_params_from_hf(state_dict, module)`: its variables, `{"params": ...}`.
-  * `hf_state_dict_from_lavis(state_dict)` / `blip2_from_lavis(checkpoint, config)`: a LAVIS
-    BLIP-2 state dict (`blip2_pretrained.pth`-style: `visual_encoder.*`, `ln_vision.*`,
-    `Qformer.bert.*`, `query_tokens`, `vision_proj.*`, `text_proj.*`, `itm_head.*`, `temp`)
-    renamed to transformers' names, plus the learned ITC temperature `temp` that transformers'
-    retrieval checkpoints drop (BLIP-2 trained ITC as a softmax over cosine / temp).
-
-As in `convert`, every tensor is accounted for: the conversion fails, listing them, on a source
-tensor it did not use, a module parameter it did not fill, or a shape that does not match. Only
-retrieval checkpoints have the ITC / ITM heads; a Blip2ForConditionalGeneration or Blip2Model
-directory (a language model instead) is refused by its config's `architectures`.
-
-`image_token_index`: transformers' processor can prepend `num_query_tokens` image tokens to the
-text, which the retrieval model then strips (`input_ids[:, num_query_tokens:]`) before embedding;
-our tokenizer never inserts them, so the module takes the plain text ids either way and the field
-changes nothing here.
+`blip2_from_hf` reads a retrieval directory (the `blip2-itm-vit-g` family), as `convert.load_hf`
+does; `blip2_from_lavis` reads a LAVIS BLIP-2 state dict, renamed to transformers' names, with
+the learned ITC temperature `temp` that transformers' checkpoints drop. As in `convert`, every
+tensor is accounted for. Only retrieval checkpoints have the ITC / ITM heads; a
+Blip2ForConditionalGeneration or Blip2Model directory is refused by its `architectures`.
 """
 
 import re
@@ -151,6 +135,8 @@ def blip2_module(config: Mapping[str, Any], dtype: Any = jnp.float32) -> blip2.B
     """The `BLIP2` module of a transformers `Blip2Config` dict; `dtype` is the image encoder's."""
     _check_retrieval(config)
     config = {**MODEL_DEFAULTS, **config}
+    # `image_token_index` is ignored: transformers' processor can prepend num_query_tokens image
+    # tokens, which the retrieval model strips before embedding; our tokenizer never adds them.
     vision = convert.sub_config(config, "vision_config", VISION_DEFAULTS)
     qformer = _qformer(convert.sub_config(config, "qformer_config", QFORMER_DEFAULTS))
     return blip2.BLIP2(
@@ -177,6 +163,8 @@ def _vision(m: convert.TensorMapping, encoder: vit.ViT) -> None:
         block, key = f"{target}/block_{i}", f"{src}.encoder.layers.{i}"
         m.layernorm(f"{block}/norm1", f"{key}.layer_norm1")
         m.layernorm(f"{block}/norm2", f"{key}.layer_norm2")
+        # The key's third of the packed bias is zero in BLIP-2 but a free tensor in transformers:
+        # it is copied as it is.
         m.packed_qkv(f"{block}/attn", f"{key}.self_attn.qkv", heads, ("weight", "bias"))
         m.attention_out(f"{block}/attn", f"{key}.self_attn.projection", heads)
         m.dense(f"{block}/mlp/fc1", f"{key}.mlp.fc1")

@@ -1,16 +1,9 @@
 """transformers `GroupViTModel` checkpoints -> `groupvit.GroupViT` modules and Flax variables.
 
-  * `groupvit_from_hf(path)`: a GroupViTModel directory (config.json plus the weights `convert`
-    reads) -> `(kind, module, variables, config)`, as `convert.load_hf`.
-  * `groupvit_module(config)`: the module a transformers `GroupViTConfig` dict describes, with
-    transformers' defaults for the fields a sub-config leaves out.
-  * `groupvit_params_from_hf(state_dict, module)`: its variables, `{"params", "batch_stats"}`;
-    the projection heads' BatchNorm statistics go to "batch_stats", as `resnet.FrozenBatchNorm`
-    keeps them.
-
-As in `convert`, every tensor is accounted for: the conversion fails, listing them, on a source
-tensor it did not use, a module variable it did not fill, or a shape that does not match. The text
-tower is CLIP's, converted by `convert`'s CLIP text mapping.
+`groupvit_from_hf` reads a GroupViTModel directory, as `convert.load_hf` does; the projection
+heads' BatchNorm statistics go to "batch_stats", as `resnet.FrozenBatchNorm` keeps them, and the
+text tower is converted by `convert`'s CLIP text mapping. As in `convert`, every tensor is
+accounted for.
 """
 
 from collections.abc import Mapping

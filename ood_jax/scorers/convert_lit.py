@@ -35,7 +35,7 @@ TEXT_LEN = 16
 CLS_TOKEN, UNK_TOKEN = "[CLS]", "[UNK]"
 BERT = "txt/BertEncoder_0"
 BERT_LAYERS = f"{BERT}/encoder_block/layer_sequence/layers_"
-BERT_HEAD_DIM = 64  # every BERT size's (module docstring)
+BERT_HEAD_DIM = 64  # every BERT size's (docs/guide/lit.md)
 
 # big_vision's eval `resize(224)|value_range(-1, 1)` and vit_jax's `PreprocessImages`: a squash
 # to the square input size with TensorFlow's bilinear resize (no antialiasing, truncated to
@@ -397,7 +397,7 @@ def _bert_tower(src: Source, dtype: Any) -> bert.BertTextTower:
 
 
 def lit_module(src: Source, dtype: Any = jnp.float32) -> clip.CLIP:
-    """The `CLIP` module whose shapes the npz tensors have (see the module docstring)."""
+    """The `CLIP` module whose shapes the npz tensors have (docs/guide/lit.md)."""
     image = _image_tower(src, dtype)
     text = _bert_tower(src, dtype) if is_bert(src) else _sentencepiece_tower(src, dtype)
     image_dim = image.proj_dim or image.encoder.width

@@ -1,21 +1,10 @@
 """GroupViT (Xu et al. 2022) as a two-tower Flax module, at inference, after transformers'
 `GroupViTModel` (5.x).
 
-The image tower embeds patches (convolution, LayerNorm, then learned position embeddings; no
-class token) and runs stages. A stage appends its learned group tokens (plus, after the first
-stage, a token-mixing projection of the previous stage's group tokens) to the image tokens,
-runs pre-norm blocks over both, and, when it has group tokens, a `GroupingBlock` merges the
-image tokens into `num_output_groups` segment tokens:
-
-  * the group tokens are mixed along the token axis into the output groups, which cross-attend
-    to the image tokens;
-  * every image token is assigned to exactly one group: a softmax over the groups made one-hot at
-    its argmax with a straight-through gradient (transformers' `hard_softmax`, what its Gumbel
-    assignment is outside training), each group then averaging the values of its tokens.
-
-The image features are the mean of the final, normalized segment tokens; the text tower is CLIP's
-(`towers.TextTower`). Both go through an MLP projection (Linear, BatchNorm with frozen
-statistics, ReLU, Linear) into the shared space, and are scored as CLIP: `exp(t) * cos`.
+The image tower groups patch tokens into segment tokens stage by stage, each image token
+assigned to exactly one group (transformers' hard assignment, what its Gumbel assignment is
+outside training); the image features are the mean of the final segment tokens. The text tower
+is CLIP's. Both go through an MLP projection and are scored as CLIP: `exp(t) * cos`.
 """
 
 import functools

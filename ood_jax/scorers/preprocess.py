@@ -1,24 +1,10 @@
-"""The image processor of a CLIP / SigLIP checkpoint: resize, center crop, rescale, normalize.
+"""The image processor of a scorer checkpoint: resize, center crop, rescale, normalize.
 
-`load_preprocessing(path, kind, image_size)` reads preprocessor_config.json (transformers'
-`CLIPImageProcessor` / `SiglipImageProcessor` fields: do_resize, size, resample, do_center_crop,
-crop_size, do_rescale, rescale_factor, do_normalize, image_mean, image_std); without the file,
-or for the fields it leaves out, the processor class's defaults apply, with the model's own image
-size in place of the class's 224. BLIP-2 ("blip2") checkpoints ship `BlipImageProcessor`: a
-square resize without center crop, with OpenAI CLIP's statistics.
-
-`ImagePreprocessing(image)` maps one uint8 [H, W, 3] image to float32 [h, w, 3] as the processor
-does:
-  * resize: {"shortest_edge": s} scales the shorter side to s and the longer to
-    int(s * long / short) (transformers' `get_resize_output_image_size`); {"height", "width"}
-    resizes to that size. Pillow resamples the uint8 image with the configured filter (3 =
-    bicubic): transformers' default (torchvision) backend resizes uint8 images with torch's
-    antialiased kernels, which follow Pillow's: the width pass, rounded to uint8, then the height
-    pass. Results agree to within one uint8 level (fixed-point rounding);
-  * center crop to crop_size, zero-padding first where the image is smaller (as torchvision);
-  * or, with resample "tf_bilinear", big_vision's resize (LiT): `tf_bilinear_resize`;
-  * rescale and normalize fused as transformers does: (x - mean / r) / (std / r) in float32.
-Pillow releases the GIL while resampling, so a thread pool preprocesses images in parallel.
+`load_preprocessing` reads a checkpoint's preprocessor_config.json (transformers'
+`CLIPImageProcessor`, `SiglipImageProcessor` or BLIP-2's `BlipImageProcessor` fields; their class
+defaults, at the model's image size, for what the file leaves out), and `ImagePreprocessing`
+maps one uint8 [H, W, 3] image to float32 [h, w, 3] as that processor does, to within one uint8
+level. Pillow releases the GIL while resampling, so a thread pool preprocesses in parallel.
 """
 
 import dataclasses
@@ -110,6 +96,7 @@ class ImagePreprocessing:
         if self.shortest_edge is None:
             return height, width
         size = self.shortest_edge
+        # transformers' get_resize_output_image_size: the longer side int(s * long / short).
         short, long = (width, height) if width <= height else (height, width)
         new_long = int(size * long / short)
         return (new_long, size) if width <= height else (size, new_long)
@@ -120,6 +107,8 @@ class ImagePreprocessing:
             if (height, width) == image.shape[:2]:
                 return image
             return tf_bilinear_resize(image, height, width)
+        # transformers' default (torchvision) backend resizes uint8 images with torch's
+        # antialiased kernels, which follow Pillow's, up to fixed-point rounding (one level).
         # Two separable passes, width first, each rounded to uint8 as torch's kernel does; a
         # single Pillow call may pick the other order, which moves overshooting pixels by up to
         # ~20 levels on noisy images.

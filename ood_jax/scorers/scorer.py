@@ -1,30 +1,10 @@
 """`Scorer`: a converted CLIP / SigLIP / GroupViT / BLIP-2 / LiT model with its preprocessing
 and tokenizer, jitted.
 
-    scorer = from_hf("checkpoints/clip-vit-large-patch14")   # config.json + model.safetensors
-    image_embeds = scorer.encode_images(images)             # uint8 [H, W, 3] each -> [N, D]
-    text_embeds = scorer.encode_texts(["cat", "dog"], templates=("a photo of a {}.",))
-    logits = scorer.logit_scale * image_embeds @ text_embeds.T (+ scorer.logit_bias for SigLIP)
-
-BLIP-2 embeds an image as one vector per learned query, [N, Q, D], and scores an image-text pair
-by the best of them (`image_embedding_shape` says which); `ood_jax.mining.oodbench` scores both.
-
-Every device call runs on a fixed batch (`batch_size` rows; the last batch is padded and the
-padding sliced off), so each input shape compiles once. With a mesh the batch is split over its
-devices (`ood_jax.sharding.batch_sharding`) and the parameters are replicated. A mesh may span
-processes: each process passes the same inputs, decodes and preprocesses only the images its
-devices take, and gets every output row. `dtype` is the
-computation dtype (bfloat16 on accelerators); parameters stay float32 and outputs are float32.
-
-`encode_images` overlaps the host and the device: JAX dispatches a batch asynchronously, and the
-next batch is resized in a thread pool (Pillow releases the GIL) while the device computes.
-
-Text: the tokenizer (transformers' `AutoTokenizer`, from the checkpoint directory, never a hub)
-pads and truncates to the text tower's length (the config's max_position_embeddings), as each
-model was trained: 77 for CLIP, with the padding mask passed as transformers does (the causal
-mask already hides padding from the end token); 64 for SigLIP, without a padding mask, as SigLIP
-was trained (big_vision and open_clip attend to the pad tokens, and the pooled last position is a
-pad token for short texts).
+Every device call runs on a fixed batch (the last one padded), so each input shape compiles
+once; with a mesh the batch is split over its devices, possibly across processes, and every
+process gets every output row. Parameters stay float32, outputs are float32, and `dtype` is the
+computation dtype. Usage: docs/guide/scorer-models.md.
 """
 
 from __future__ import annotations
@@ -58,7 +38,10 @@ def _sha256(file: Path) -> str | None:
 # contrastive loss); SigLIP's is a sigmoid of each pair's logit.
 SOFTMAX_KINDS = ("clip", convert_groupvit.KIND, convert_blip2.KIND, convert_lit.KIND)
 KINDS = (*convert.KINDS.values(), convert_groupvit.KIND, convert_blip2.KIND, convert_lit.KIND)
-# Text towers that take the tokenizer's padding mask (SigLIP's attends to its pad tokens).
+# Text towers that take the tokenizer's padding mask, as each model was trained: CLIP's as
+# transformers passes it (its causal mask already hides padding from the end token). SigLIP's
+# attends to its pad tokens (big_vision and open_clip do), and its pooled last position is a pad
+# token for short texts.
 MASKED_TEXT_KINDS = ("clip", convert_groupvit.KIND, convert_blip2.KIND)
 
 
@@ -228,7 +211,9 @@ class Scorer:
 
     def tokenize(self, texts: Sequence[str]) -> dict[str, np.ndarray]:
         """Texts -> {"input_ids"[, "attention_mask"]} int32 [M, text_length], as the model
-        expects them."""
+        expects them: padded and truncated to the text tower's length, as each model was trained
+        (77 for CLIP, 64 for SigLIP). transformers' tokenizer comes from the checkpoint
+        directory, never a hub."""
         if self._tokenize_fn is not None:
             return {k: np.asarray(v, np.int32) for k, v in self._tokenize_fn(list(texts)).items()}
         encoded = self.tokenizer(
@@ -385,6 +370,8 @@ class Scorer:
     ) -> np.ndarray:
         """Runs `fn(variables, *batch)` over full batches, one in flight while the next is made;
         [0, *row_shape] when there are none."""
+        # JAX dispatches a batch asynchronously: the next one is made (images resized in the
+        # thread pool, Pillow releasing the GIL) while the device computes.
         done: list[np.ndarray] = []
         pending: collections.deque[tuple[int, jax.Array]] = collections.deque()
         for valid, arrays in batches:

@@ -3,7 +3,7 @@
 CLIP's towers and temperature plus a learned logit bias "b": pairs are scored independently,
 `logits_per_image = exp(t) * cos(image, text) + b`, and read through a sigmoid rather than a
 softmax over texts. The image tower pools with an attention head and has no projection; the text
-tower attends bidirectionally and pools its last position (`towers` docstring).
+tower attends bidirectionally and pools its last position (`towers.pooled_positions`).
 """
 
 import flax.linen as nn

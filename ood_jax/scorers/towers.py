@@ -1,18 +1,10 @@
 """The two towers of a CLIP-style model: a ViT image encoder and a transformer text encoder.
 
 Both end in one pooled vector per example, optionally projected into the shared embedding space:
-
-  * `ImageTower`: `ood_jax.models.vit.ViT` with a pooled output (the class token, CLIP, or the
-    attention-pooling head, SigLIP), then an optional linear projection.
-  * `TextTower`: token + learned position embeddings, pre-norm blocks (the ViT's `EncoderBlock`)
-    under a causal (CLIP) or bidirectional (SigLIP) mask intersected with the padding mask, a final
-    LayerNorm, one token's state (`pool`), then an optional projection.
-
-Text pooling follows transformers' `CLIPTextModel` / `SiglipTextModel` (5.x):
-  "argmax": the first position of the largest token id (OpenAI CLIP, whose end-of-text token is
-            the largest id; transformers uses it when the config's eos_token_id is the legacy 2);
-  "eos":    the first position equal to `eos_token_id` (position 0 when there is none);
-  "last":   the last position of the padded sequence (SigLIP, trained with sticky end tokens).
+`ImageTower` is `ood_jax.models.vit.ViT` with a pooled output (the class token, CLIP, or the
+attention-pooling head, SigLIP); `TextTower` runs pre-norm blocks under a causal (CLIP) or
+bidirectional (SigLIP) mask and pools one token's state as transformers' `CLIPTextModel` /
+`SiglipTextModel` (5.x) do (`pooled_positions`).
 """
 
 from typing import Any
@@ -64,7 +56,14 @@ def text_attention_mask(valid: jax.Array, causal: bool) -> jax.Array:
 
 
 def pooled_positions(input_ids: jax.Array, pool: str, eos_token_id: int | None) -> jax.Array:
-    """[B, L] token ids -> [B] index of the token whose state is pooled (see module docstring)."""
+    """[B, L] token ids -> [B] index of the token whose state is pooled.
+
+    `pool` is "argmax": the first position of the largest token id (OpenAI CLIP, whose
+    end-of-text token is the largest id; transformers uses it when the config's eos_token_id is
+    the legacy 2); "eos": the first position equal to `eos_token_id` (position 0 when there is
+    none); or "last": the last position of the padded sequence (SigLIP, trained with sticky end
+    tokens).
+    """
     if pool == "argmax":
         return jnp.argmax(input_ids, axis=-1)
     if pool == "eos":
@@ -99,7 +98,7 @@ class TextTower(nn.Module):
       vocab_size, max_len: token and position table sizes; L must be <= max_len.
       width, depth, num_heads, mlp_dim, ln_eps, activation: the transformer (see `vit`).
       mask: "causal" or "bidirectional" self-attention.
-      pool: "argmax", "eos" or "last" (module docstring); `eos_token_id` is needed for "eos".
+      pool: "argmax", "eos" or "last" (`pooled_positions`); `eos_token_id` is needed for "eos".
       proj_dim, proj_bias: the output projection ("proj"); None for no projection.
       dtype: computation dtype; parameters stay float32.
     """

@@ -1,30 +1,10 @@
-"""OODBench's verification statistics (OODBench paper, Sec. 3 and Appendix C).
+"""OODBench's verification statistics (OODBench paper, Sec. 3 and Appendix C), and the intervals
+and paired tests that compare MLLM runs on the same items (`ood-jax compare`).
 
-The paper argues its data is OOD with:
-  * an exact binomial (Clopper-Pearson) / Beta-posterior lower bound on the share of models that
-    treat the data as OOD (k=49 of n=50 gives theta_min ~ 0.89: the lower end of the two-sided
-    95% Clopper-Pearson interval, see `clopper_pearson`);
-  * kernel MMD^2 between train-OOD and val-OOD with a TOST-style equivalence rule whose margin is
-    the 95th percentile of MMD^2 between random splits of one set (`mmd2_unbiased`,
-    `within_split_mmd2`, `tost_equivalence`); the paper compares the *upper confidence bound* of
-    MMD^2 with that margin (`mmd2_upper_bound`: jackknife-normal by default, or bootstrap;
-    `mmd_equivalence` runs the whole check), plus a permutation test (`mmd_permutation_test`);
-  * a variance F-test, Pearson/Spearman correlations and empirical resampling p-values comparing
-    cross-model accuracy drops on Hard vs OOD samples (`variance_f_test`, `correlation`,
-    `resampling_p_value`).
-
-MMD is computed in jax, jitted, over fixed-size row blocks of the pooled kernel matrix so that
-tens of thousands of points never materialize an N x N matrix; a permutation test evaluates a
-chunk of permutations per pass over the kernel, as one matmul per row block.
-
-For MLLM runs compared on the same items (`ood-jax compare`, ood_jax.eval.compare): the Wilson
-and Clopper-Pearson intervals of an accuracy (`wilson`, `clopper_pearson`), McNemar's exact test
-of two runs' paired right/wrong answers (`mcnemar_exact`), and a paired bootstrap over items of
-any metric that is a function of per-item means, such as F1 and MCC of yes/no answers
-(`paired_bootstrap`, resampling with `bootstrap_indices`).
-
-The package `ood_jax.stats` holds the statistics (this module); `ood_jax.stats.cli` is the
-`ood-jax stats` command that runs them from files.
+Binomial bounds (`clopper_pearson`, `wilson`, `beta_posterior_bound`), kernel MMD^2 with its
+permutation test, upper bounds and TOST-style equivalence (`mmd_equivalence`), the Hard-vs-OOD
+tests (`variance_f_test`, `correlation`, `resampling_p_value`), and paired tests of two runs
+(`mcnemar_exact`, `paired_bootstrap`). `ood_jax.cli.stats` is the `ood-jax stats` command.
 """
 
 import functools
@@ -37,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from scipy import stats as sps
+
+from ood_jax.metrics import bootstrap
 
 Alternative = Literal["two-sided", "greater", "less"]
 _ALTERNATIVES = ("two-sided", "greater", "less")
@@ -175,6 +157,9 @@ def beta_posterior_bound(
 # ---------------------------------------------------------------------------------------------
 # Kernel MMD
 # ---------------------------------------------------------------------------------------------
+# In jax, jitted, over fixed-size row blocks of the pooled kernel matrix, so that tens of thousands
+# of points never materialize an N x N matrix; a permutation test evaluates a chunk of
+# permutations per pass over the kernel, as one matmul per row block.
 
 
 def _median_pairwise_distance(z: jax.Array, seed: int = 0) -> jax.Array:
@@ -756,11 +741,6 @@ def _check_statistics(name: str, x: object) -> np.ndarray:
     return arr
 
 
-def _percentile_interval(samples: np.ndarray, confidence: float) -> tuple[float, float]:
-    low, high = np.quantile(samples, [(1 - confidence) / 2, (1 + confidence) / 2])
-    return float(low), float(high)
-
-
 def paired_bootstrap(
     metric: Callable[[np.ndarray], np.ndarray],
     a: object,
@@ -811,9 +791,9 @@ def paired_bootstrap(
         "a": observed_a,
         "b": observed_b,
         "difference": difference,
-        "a_interval": _percentile_interval(samples_a, confidence),
-        "b_interval": _percentile_interval(samples_b, confidence),
-        "difference_interval": _percentile_interval(differences, confidence),
+        "a_interval": bootstrap.percentile_interval(samples_a, confidence),
+        "b_interval": bootstrap.percentile_interval(samples_b, confidence),
+        "difference_interval": bootstrap.percentile_interval(differences, confidence),
         "p_value": (1 + extreme) / (1 + len(differences)),
         "num_bootstrap": len(differences),
     }

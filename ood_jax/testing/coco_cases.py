@@ -1,42 +1,10 @@
-"""Random, adversarial COCO bbox evaluation cases.
+"""Random, adversarial COCO bbox evaluation cases, for the parity tests, the benchmark and demos.
 
-Used by the parity tests (``tests/test_coco_parity.py``), the benchmark
-(``bench/coco_eval.py``) and demos. A case is a COCO-format ground-truth dict
-plus a list of detection dicts, exactly what ``pycocotools`` consumes
-(``COCO().dataset = gt``, ``loadRes(detections)``).
-
-The generator is written to exercise every corner of COCOeval's semantics:
-
-* detections are mostly jittered copies of ground-truth boxes at many jitter
-  levels (so every IoU threshold in .50:.05:.95 matters), with a fraction given
-  the wrong category, plus purely random background boxes;
-* several detections per ground truth, and exact duplicate detections (same box,
-  same score) so that the stable tie order of COCOeval matters;
-* ground-truth ``area`` is *not* ``w*h`` (``w*h*U(0.3, 1)`` like a segmentation
-  area), so a box can be "medium" by its size and "small" by its area; some areas
-  are exactly on the small/medium/large thresholds ``32**2`` / ``96**2``, and
-  some detections have ``w*h`` exactly on them too;
-* crowd regions that cover several annotated objects and absorb several
-  detections of unannotated instances;
-* duplicate ground-truth boxes (same box, different area), and "twin" boxes
-  with a detection exactly halfway followed by a detection that only fits one
-  twin, so that COCOeval's "last of the equal-IoU gts wins" rule matters;
-* integer-coordinate ("snapped") boxes, including ground truths with sides
-  ``20*m`` paired with a detection cut to ``(10+j)/20`` of a side so that the IoU
-  is exactly one of the thresholds .50, .55, ..., .95, and float boxes cut the
-  same way, whose IoU lands within a few ulps of a threshold (only bbIou's exact
-  arithmetic decides those);
-* tied scores (a fraction rounded to ``tie_decimals`` decimals);
-* images without ground truth (with and without detections);
-* categories listed in ``categories`` with no annotations, some of which still
-  receive detections;
-* (image, category) groups with more than 100 detections, where true positives
-  rank beyond the 100 cut-off;
-* image ids and category ids non-contiguous, and every list (images,
-  categories, annotations, detections) in an unsorted order.
-
-Generation is vectorized numpy and deterministic for a seed; the benchmark size
-(5000 images x 100 detections) takes about a second.
+A case is a COCO-format ground-truth dict plus a list of detection dicts, exactly what
+``pycocotools`` consumes (``COCO().dataset = gt``, ``loadRes(detections)``), generated to
+exercise every corner of COCOeval's semantics (docs/guide/coco-evaluation.md). Generation is
+vectorized numpy and deterministic for a seed; ``val2017_like``'s 5000 images x 100 detections
+take about a second.
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """Tiny random-weight VLMs built offline, saved where `transformers serve` or `--local` loads them.
 
-Two families whose published chat templates place images differently:
-
-  build_llava(path)     LlavaForConditionalGeneration (CLIP vision tower + Llama) with the
-                        llava-hf/llava-1.5 chat template, which renders every image of a turn
-                        first and then its texts (LLAVA_1_5_CHAT_TEMPLATE).
-  build_qwen2_vl(path)  Qwen2VLForConditionalGeneration with the Qwen2-VL-Instruct chat template,
-                        which renders each image where it stands among the texts
-                        (QWEN2_VL_CHAT_TEMPLATE).
-
-The templates are the published texts, verbatim. LLaVA-1.5's is the llava-hf/llava-1.5-7b-hf
-chat_template.json, as quoted by openvino.genai (src/cpp/src/tokenizer.cpp, whose fallback map
-matches templates by exact string equality, "llava-1.5, llava-v1.6-vicuna (chat_template.json)")
-and by transformers' tests/models/llava/test_processing_llava.py. Qwen2-VL's is the
-Qwen2-VL-2B-Instruct template as quoted by the same openvino.genai map ("Qwen2-VL-2B-Instruct
-(tokenizer_config.json)") and by VLMEvalKit's Qwen2-VL wrapper. LLAVA_ONEVISION_CHAT_TEMPLATE,
-used only to check how a template renders (no model carries it), is the one transformers'
-convert_llava_onevision_weights_to_hf.py writes into the llava-hf/llava-onevision checkpoints.
-
-No download: the tokenizers are byte-level BPEs trained here on the benchmarks' prompt texts (so
-every prompt encodes without unknown tokens), with each family's special tokens. The networks have
-about 10^5 parameters; greedy decoding of 16 tokens takes well under a second on one CPU core.
-Their replies are noise, but deterministic: what the tests compare is what the model was shown.
+Two families whose published chat templates place images differently: `build_llava` (LLaVA-1.5:
+every image of a turn first, then its texts) and `build_qwen2_vl` (Qwen2-VL: each image where it
+stands among the texts). The templates are the published texts, verbatim; the tokenizers are
+byte-level BPEs trained here on the benchmarks' prompt texts. About 10^5 parameters, well under
+a second to decode 16 tokens on one core. Replies are noise, but deterministic: what the tests
+compare is what the model was shown.
 """
 
 from __future__ import annotations
@@ -30,7 +14,10 @@ import pathlib
 
 from ood_jax import prompts
 
-# llava-hf/llava-1.5-7b-hf chat_template.json (see the module docstring for where it is quoted).
+# llava-hf/llava-1.5-7b-hf chat_template.json, as quoted by openvino.genai (src/cpp/src/
+# tokenizer.cpp, whose fallback map matches templates by exact string equality: "llava-1.5,
+# llava-v1.6-vicuna (chat_template.json)") and transformers' tests/models/llava/
+# test_processing_llava.py.
 LLAVA_1_5_CHAT_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] != 'system' %}"
     "{{ message['role'].upper() + ': '}}{% endif %}{# Render all images first #}"
@@ -44,7 +31,8 @@ LLAVA_1_5_CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
 
-# Qwen/Qwen2-VL-2B-Instruct (and -7B-Instruct) chat template.
+# Qwen/Qwen2-VL-2B-Instruct (and -7B-Instruct) chat template, as quoted by the same openvino.genai
+# map ("Qwen2-VL-2B-Instruct (tokenizer_config.json)") and VLMEvalKit's Qwen2-VL wrapper.
 QWEN2_VL_CHAT_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
     "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
@@ -64,6 +52,7 @@ QWEN2_VL_CHAT_TEMPLATE = (
 )
 
 # llava-hf/llava-onevision-qwen2-*-ov-hf, as convert_llava_onevision_weights_to_hf.py writes it.
+# Only to check how a template renders: no model here carries it.
 LLAVA_ONEVISION_CHAT_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}"
     "{# Render all images first #}"
@@ -90,7 +79,8 @@ QWEN2_VL_SPECIAL_TOKENS = (
     "<|image_pad|>",
     "<|video_pad|>",
 )
-# Enough merges for the prompt words to become a few tokens each; the rest is bytes.
+# Trained on the prompt texts, so every prompt encodes without unknown tokens (and without a
+# download). Enough merges for the prompt words to become a few tokens each; the rest is bytes.
 _VOCAB_SIZE = 600
 # Random logits are nearly flat: scaled up, greedy decoding picks varied tokens rather than one
 # token over and over, so that different inputs visibly give different replies.

@@ -1,24 +1,11 @@
 """Checks of a training config before anything runs; errors name the field.
 
-`check_numbers`: a negative step count or a zero batch size would otherwise train nothing (or
-fail deep inside XLA) and still exit 0 with results of the untrained model; a compute dtype
-(`config.model.dtype`) that is none would fail only once the dataset is built.
-
-`check_resume`: a workdir with checkpoints belongs to the config that trained them (stored as
-its config.json). Resuming with another model, data, input, optimizer, loss or seed would either
-fail inside orbax (other shapes) or, worse, continue a different experiment under the old
-one's name. Only the fields of `FREE_ON_RESUME` may change: how long and how often (steps,
-intervals, checkpoints kept, eval batch size), where files are (data_dir, backbone_weights,
-which is read on a fresh start only), on which devices (mesh, partition rules, multi-host) and
-in which compute dtype (`config.model.dtype`: parameters and optimizer state are float32 in
-either, so the checkpoints restore as they are, as they do onto another mesh; the change is
-said when resuming, `resume_notes`, and recorded in the config the run saves).
-Every other field, including any a config adds later, is checked; a field added after
-workdirs were trained without it (`ADDED_FIELDS`) is compared as the value it then had.
-Model selection's fields (`config.selection`) are checked like the others: the validation
-slice and a left-out domain change what the run trains on, the oracle's fraction what its
-evaluations record. Whether EMA is on (`config.ema_decay` > 0) may not change at all, not even
-with allow_config_change: the EMA parameters are in the checkpoints or they are not.
+`check_numbers` refuses values that would train nothing (or fail deep inside XLA) and still exit
+0 with results of the untrained model. `check_resume` holds a workdir with checkpoints to the
+config that trained them (its config.json): resuming with another model, data, input, optimizer,
+loss or seed would fail inside orbax or, worse, continue a different experiment under the old
+one's name. Only `FREE_ON_RESUME` may change; every other field is checked, including any a
+config adds later.
 """
 
 from __future__ import annotations
@@ -105,7 +92,13 @@ def ema_enabled(config: ml_collections.ConfigDict | dict) -> bool:
     return (config.get("ema_decay") or 0.0) > 0
 
 
-# Fields (and the fields under them) a resumed run may change; see the module docstring.
+# Fields (and the fields under them) a resumed run may change: how long and how often (steps,
+# intervals, checkpoints kept, eval batch size), where files are (data_dir; backbone_weights is
+# read on a fresh start only), on which devices (mesh, partition rules, multi-host) and in which
+# compute dtype (parameters and optimizer state are float32 in either, so the checkpoints restore
+# as they are, as onto another mesh; `resume_notes` says so, and the saved config records it).
+# Model selection's fields are not free: the validation slice and a left-out domain change what
+# the run trains on, the oracle's fraction what its evaluations record.
 FREE_ON_RESUME = (
     "total_steps",
     "log_every",
@@ -201,6 +194,8 @@ def check_resume(
 ) -> list[tuple[str, Any, Any]]:
     """Raises ValueError naming each field outside `FREE_ON_RESUME` that differs from the
     config the workdir's checkpoints were trained with, unless `config.allow_config_change`.
+    A field added after workdirs were trained without it (`ADDED_FIELDS`) is compared as the
+    value it then had.
 
     Returns the changed fields that are not free (empty unless allow_config_change let them
     through), for the caller to report. Turning EMA on or off is refused in any case.

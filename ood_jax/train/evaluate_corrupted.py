@@ -19,7 +19,7 @@ import ml_collections
 from ood_jax import datasets
 from ood_jax.data import building, counts
 from ood_jax.detection import corruption_eval
-from ood_jax.train import train
+from ood_jax.train import resume, train
 
 
 def _checked_source(builder, config: ml_collections.ConfigDict, dataset: str) -> None:
@@ -43,8 +43,10 @@ def evaluate_corrupted(
     _checked_source(builder, config, dataset)
     experiment = train.setup(config, workdir)
     ckpt = experiment.checkpointer
-    train.check_workdir_config(config, workdir, ckpt)
-    restored = train.restore_newest(experiment, "evaluating step")
+    resume.check_workdir_config(config, workdir, ckpt)
+    restored = resume.restore_newest(
+        experiment.checkpointer, experiment.abstract_state, "evaluating step"
+    )
     if restored is None:
         raise FileNotFoundError(
             f"no checkpoint in {ckpt.directory}: train first (`ood-jax train` on this --workdir)"

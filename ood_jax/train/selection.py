@@ -1,42 +1,10 @@
 """Model selection for O(OD)^2: which of a run's evaluated checkpoints a protocol reports.
 
-The protocols are DomainBed's (Gulrajani & Lopez-Paz 2020, "In Search of Lost Domain
-Generalization", section 3) with COCO AP in place of accuracy, plus the COUNTS paper's own:
-
-  last                  the run's last step: no selection, what the COUNTS paper reports.
-  training_domain       training-domain validation: the step whose AP on the validation slice
-                        is highest. The slice is round(val_fraction * n) consecutive records of
-                        each training split (n records), at a start drawn from (seed, split)
-                        (`counts.hold_out_windows`); the run never trains on it, and its AP is
-                        pooled over the slice's images, as the in-domain AP pools the training
-                        domains' test images.
-  leave_one_domain_out  leave-one-domain-out cross-validation: for each left-out training domain
-                        d, a run of the same seed trained without d (nor its images of several
-                        domains) measures AP on d's training images at every evaluated step; the
-                        step whose mean of those APs over d is highest is chosen, and the run on
-                        every training domain is reported at that step, as DomainBed does.
-  oracle                test-domain oracle, an UPPER BOUND (it selects on test data): the step
-                        whose mean over target domains of AP on a seed-chosen oracle_fraction
-                        (DomainBed's 20%) of each target's test images is highest.
-
-Candidates are the steps a run evaluated: every `config.eval_every` steps and its last step,
-recorded in WORKDIR/evaluations.json (`evaluation_record`); the checkpoint of a selected step
-is on disk when checkpoint_every divides eval_every and keep_checkpoints covers the run. A tie
-goes to the later step, so a criterion that cannot tell steps apart selects what `last` does.
-
-Every protocol reports the selected step's in-domain AP and each target's AP on its whole test
-split: the paper's test sets, the same images for every protocol, so their rows compare. The
-oracle's reported AP therefore includes the images it selected on (DomainBed reports on the
-other 80%); an upper bound either way. DomainBed's oracle also forbids early stopping and
-chooses among hyperparameters only, by their last checkpoint: with one hyperparameter setting,
-as in a sweep over seeds, that is `last`. The oracle here selects among steps instead.
-
-With `val_fraction` > 0 every run of a sweep trains on the rest of the training images (as all
-of DomainBed's runs train on their 80%), so `last` is then the paper's rule on fewer images; a
-sweep without training_domain trains on all of them, as the paper does.
-
-The AP of an image subset (the oracle slices) comes from the evaluation's own per-image matches
-(`bootstrap.ap_resamples` with 0/1 weights), exactly as evaluating the subset alone would.
+The protocols (`PROTOCOLS`) are DomainBed's (Gulrajani & Lopez-Paz 2020, "In Search of Lost
+Domain Generalization", section 3) with COCO AP in place of accuracy, plus the COUNTS paper's
+own, `last`. Candidates are the steps a run evaluated (`evaluation_record`, kept in
+WORKDIR/evaluations.json). The rules, and where they differ from DomainBed:
+docs/guide/model-selection.md.
 """
 
 from __future__ import annotations
@@ -122,7 +90,9 @@ def oracle_mask(image_ids: np.ndarray, fraction: float, seed: int, domain: str) 
 
 
 def subset_ap(matches: coco.Matches, mask: np.ndarray) -> dict[str, float]:
-    """AP, AP50, AP75 of the images `mask` keeps, from their matches."""
+    """AP, AP50, AP75 of the images `mask` keeps, from the evaluation's own per-image matches
+    (`bootstrap.ap_resamples` with 0/1 weights): exactly what evaluating the subset alone
+    gives."""
     stats = bootstrap.ap_resamples(matches, mask[None].astype(np.int32))
     return {name: float(values[0]) for name, values in stats.items()}
 
@@ -183,7 +153,8 @@ class Selected:
 
 
 def _argmax(values: Mapping[int, float]) -> int:
-    """The step of the highest value; a tie goes to the later step."""
+    """The step of the highest value; a tie goes to the later step, so a criterion that cannot
+    tell steps apart selects what `last` does."""
     return max(values, key=lambda step: (values[step], step))
 
 

@@ -1,20 +1,9 @@
 """`ood-jax sweep`: N seeds of a detector config, and the checkpoint each model-selection protocol
 (selection.py) selects in them, as mean +- std over the seeds.
 
-A sweep is a list of jobs, each an ordinary training run in SWEEP_DIR/<job>/ (resumable, with
-its manifest): `seed<S>` trains config.seed = S on every training domain; with
-leave_one_domain_out among the protocols, `seed<S>_loo_<D>` trains the same seed without
-training domain D, for each D of `--leave-out` (default: every training domain, as DomainBed;
-1 + K runs per seed). With training_domain, every job holds out its seed's validation slice
-(config.selection.val_fraction, 0.2 when the config leaves it 0). The list is written to
-SWEEP_DIR/sweep.json first; a sweep directory keeps the list it was started with.
-
-`ood-jax sweep` runs the jobs one after the other (a finished one is kept, an interrupted one
-resumes), then aggregates; `--job=NAME_OR_INDEX` runs one job only (a cluster array task,
-launch/sweep_slurm.sh), `--list-jobs` prints the list, and `--aggregate-only` only aggregates
-the jobs' evaluations.json into SWEEP_DIR/results.json and results.md: per protocol and seed
-the selected step, the value it was selected by, its in-domain AP, each target's AP and their
-average; and the mean and sample standard deviation (n - 1) of those over the seeds.
+A sweep is a list of jobs (SWEEP_DIR/sweep.json, kept from the sweep's start), each an ordinary
+resumable training run in SWEEP_DIR/<job>/; aggregating reads their evaluations.json into
+SWEEP_DIR/results.json and results.md. Jobs, flags and outputs: docs/guide/model-selection.md.
 """
 
 from __future__ import annotations
@@ -144,8 +133,10 @@ def _finished(workdir: pathlib.Path) -> int | None:
 
 
 def aggregate(sweep_dir: str | pathlib.Path) -> dict[str, Any]:
-    """results.json's content from the jobs' evaluations (module docstring); ValueError naming
-    the jobs that have not finished."""
+    """results.json's content from the jobs' evaluations: per protocol and seed the selected
+    step, the value it was selected by, its in-domain AP, each target's AP and their average;
+    and the mean and sample standard deviation (n - 1) of those over the seeds. ValueError
+    naming the jobs that have not finished."""
     sweep_dir = pathlib.Path(sweep_dir)
     path = sweep_dir / PLAN_FILE
     if not path.is_file():
@@ -274,7 +265,10 @@ def sweep(
     list_jobs: bool = False,
     aggregate_only: bool = False,
 ) -> dict[str, Any] | None:
-    """`ood-jax sweep` (module docstring); the aggregated results when it aggregated."""
+    """`ood-jax sweep`: runs the jobs one after the other (a finished one is kept, an
+    interrupted one resumes), then aggregates; `job` (a name or an index) runs one job only,
+    `list_jobs` prints them, `aggregate_only` only aggregates. Returns the aggregated results
+    when it aggregated."""
     sweep_dir = pathlib.Path(sweep_dir)
     if aggregate_only:
         return write_results(sweep_dir)

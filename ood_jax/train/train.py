@@ -22,9 +22,8 @@ matching read the model's outputs in float32 (`set_loss.float32_outputs`). Evalu
 in it too; detections (`postprocess`) are float32.
 
 A workdir keeps the config its checkpoints were trained with (config.json); `train` and
-`evaluate` refuse another one by field (`config_checks.check_resume`). A damaged newest checkpoint
-is moved aside and the next older one used (`checkpoint.Checkpointer.restore_newest`). Ctrl-C
-in training saves the step it stopped at and says how to continue.
+`evaluate` refuse another one by field, use the newest checkpoint that restores, and Ctrl-C in
+training saves the step it stopped at (resume.py).
 
 Training also keeps WORKDIR/evaluations.json: every `config.eval_every` steps and at its last
 step, the COCO numbers of every evaluated split, including the ones model selection adds
@@ -33,18 +32,14 @@ the oracle's (selection.py). Model selection (`ood-jax sweep`, sweep.py) chooses
 An evaluation is recorded before the checkpoint of its step is saved, so a resumed run has the
 records of every step up to the one it resumes from, and recomputes the ones after it.
 
-Both write WORKDIR/manifest.json (ood_jax.manifest) when they start and when they end, however
-they end: the config's digest, the dataset build (name, config, version, splits, a digest of its
-metadata and file sizes), jax's devices, and at the end the checkpoint (step and a digest of its
-files, equal for `train` and a later `evaluate` of the same step), the evaluated splits (images
-and ground-truth digests, as `ood-jax compare-detectors` checks them) and the headline APs.
+Both write WORKDIR/manifest.json when they start and when they end, however they end
+(run_manifest.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import math
 import pathlib
@@ -69,7 +64,8 @@ from ood_jax.data import counts, pipeline
 from ood_jax.detection import evaluation
 from ood_jax.metrics import coco
 from ood_jax.models import backbones, registry
-from ood_jax.train import checkpoint, config_checks, optim, pretrain, selection
+from ood_jax.train import checkpoint, config_checks, optim, pretrain, resume, run_manifest
+from ood_jax.train import selection
 
 
 @flax.struct.dataclass
@@ -104,10 +100,6 @@ class NonFiniteLossError(RuntimeError):
 
 # What the pretraining stage writes into the workdir (see `pretrain.py`).
 PRETRAINED_BACKBONE = "backbone_pretrained.msgpack"
-# The config the workdir's checkpoints were trained with.
-CONFIG_FILE = "config.json"
-# What a detector run's manifest reports beside manifest.BASE_PACKAGES.
-MANIFEST_PACKAGES = ("optax", "orbax-checkpoint", "tensorflow", "tensorflow-datasets")
 
 
 def load_builder(config: ml_collections.ConfigDict) -> tfds.core.DatasetBuilder:
@@ -491,142 +483,6 @@ def summarize(step: int, evaluated: Mapping[str, coco.CocoEvalResult]) -> dict[s
     return evaluation.summarize(step, evaluated["iid"], per_domain)
 
 
-def check_workdir_config(
-    config: ml_collections.ConfigDict, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer
-) -> None:
-    """Refuses a workdir whose checkpoints were trained with another config, naming each changed
-    field (`config_checks.check_resume`); says which changes allow_config_change let through,
-    and which free ones change what is computed (`config_checks.resume_notes`: the dtype).
-
-    A workdir without checkpoints has nothing to resume, so its config.json is simply replaced.
-    """
-    path = workdir / CONFIG_FILE
-    if ckpt.latest_step() is None or not path.is_file():
-        return
-    try:
-        stored = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(
-            f"{path}: not the JSON config ood-jax writes ({e}); put back the config the "
-            "checkpoints were trained with, or use a fresh --workdir"
-        ) from None
-    allowed = config_checks.check_resume(stored, config, workdir)
-    if not _is_primary():
-        return
-    if allowed:
-        print(
-            f"Using {workdir}'s checkpoints with a changed config (config.allow_config_change): "
-            + config_checks.describe_changes(allowed),
-            flush=True,
-        )
-    for note in config_checks.resume_notes(stored, config):
-        print(f"Using {workdir}'s checkpoints with {note}", flush=True)
-
-
-def restore_newest(experiment: Experiment, then: str) -> checkpoint.Restored | None:
-    """The newest checkpoint that restores, saying which newer ones did not and where they went;
-    `then` completes that line with what happens next ("resuming from", "evaluating step")."""
-    restored = experiment.checkpointer.restore_newest(experiment.abstract_state)
-    if restored is not None and _is_primary():
-        for failed in restored.failed:
-            print(
-                f"checkpoint {failed.step} could not be restored ({failed.reason}); moved to "
-                f"{failed.moved_to}; {then} {restored.step}",
-                flush=True,
-            )
-    return restored
-
-
-@jax.jit
-def _all_finite(tree) -> jax.Array:
-    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))
-
-
-def keep_on_interrupt(
-    ckpt: checkpoint.Checkpointer, state: TrainState, meta: dict, workdir: pathlib.Path
-) -> str:
-    """After Ctrl-C in training: saves the step it stopped at, if the state is whole (not
-    donated to a step that was cut short) and finite, and says what the workdir keeps."""
-    ckpt.wait()  # a save already on its way finishes
-    latest = ckpt.latest_step()
-    # Several processes save a step together, but each stopped at its own: only a
-    # preemption (SIGTERM, multihost.preempted) brings them to the same one.
-    alone = jax.process_count() == 1
-    if alone and not any(leaf.is_deleted() for leaf in jax.tree.leaves(state)):
-        step = int(state.step)
-        if step > (latest or 0) and bool(_all_finite(state.params)):
-            ckpt.save(step, state, meta, force=True)
-            ckpt.wait()
-            latest = step
-    if latest is None:
-        return f"no checkpoint saved in {workdir} yet; rerun the same command to start again"
-    return f"checkpoint at step {latest} kept in {workdir}; rerun the same command to continue"
-
-
-# ---------------------------------------------------------------------------------------------
-# manifest.json
-# ---------------------------------------------------------------------------------------------
-
-
-def start_manifest(kind: str, config: ml_collections.ConfigDict, experiment: Experiment) -> dict:
-    """manifest.json of a `kind` ("train", "evaluate") run starting now."""
-    config_json = config.to_json_best_effort(sort_keys=True)
-    return manifest.collect(
-        kind,
-        devices=True,
-        packages=MANIFEST_PACKAGES,
-        config={
-            "model_name": config.model_name,
-            "model": config.model.name,
-            "sha256": hashlib.sha256(config_json.encode()).hexdigest(),
-        },
-        dataset={**manifest.tfds_dataset(experiment.builder), "splits": dict(experiment.splits)},
-    )
-
-
-def checkpoint_manifest(ckpt: checkpoint.Checkpointer, step: int) -> dict:
-    directory = ckpt.directory / str(step)
-    return {"step": step, "path": str(directory), "digest": manifest.tree_digest(directory)}
-
-
-def evaluation_manifest(results: Mapping[str, Any]) -> dict:
-    """The evaluated splits as `ood-jax compare-detectors` pairs them (the images and the
-    ground truth's digest) and the headline APs."""
-    splits = {
-        name: {
-            "images": len(m.image_ids),
-            "image_ids_sha256": hashlib.sha256(np.asarray(m.image_ids).tobytes()).hexdigest(),
-            "ground_truth": m.ground_truth,
-        }
-        for name, m in results.get("matches", {}).items()
-    }
-    aps = {"iid_AP": results["iid"]["AP"]}
-    if "ood_average" in results:
-        aps["ood_AP"] = results["ood_average"]["AP"]
-    return {"step": results["step"], **aps, "splits": splits}
-
-
-def end_manifest(
-    config: ml_collections.ConfigDict,
-    workdir: pathlib.Path,
-    ckpt: checkpoint.Checkpointer,
-    results: Mapping[str, Any],
-) -> dict:
-    """What a run adds to its manifest when it ends: the checkpoint evaluated, the evaluation,
-    and the backbone's starting weights where there are some."""
-    fields = {
-        "checkpoint": checkpoint_manifest(ckpt, results["step"]),
-        "evaluation": evaluation_manifest(results),
-    }
-    backbone = pretrained_backbone_path(config, workdir)
-    if backbone is not None and backbone.exists():
-        fields["backbone_weights"] = {
-            "path": str(backbone),
-            "digest": manifest.weights_digest(backbone),
-        }
-    return fields
-
-
 # ---------------------------------------------------------------------------------------------
 # train and evaluate
 # ---------------------------------------------------------------------------------------------
@@ -638,61 +494,75 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     experiment = setup(config, workdir)
-    started = start_manifest("train", config, experiment)
+    started = run_manifest.start("train", config, experiment.builder, experiment.splits)
     with manifest.recording(workdir, started, enabled=_is_primary()) as record:
         results = _train_and_evaluate(config, workdir, experiment)
         if _is_primary():  # the others would only read the checkpoint's files again
-            record.update(end_manifest(config, workdir, experiment.checkpointer, results))
+            record.update(_end_manifest(config, workdir, experiment, results))
     return results
 
 
-def _train_and_evaluate(
-    config: ml_collections.ConfigDict, workdir: pathlib.Path, experiment: Experiment
-) -> dict[str, Any]:
-    ckpt = experiment.checkpointer
+def _end_manifest(config, workdir: pathlib.Path, experiment: Experiment, results) -> dict:
+    backbone = pretrained_backbone_path(config, workdir)
+    return run_manifest.end(experiment.checkpointer, results, backbone)
 
-    # ----------------------------------------------------------------------------------------
-    # Resume, or start: backbone pretraining (its own stage) and the initial state.
-    # ----------------------------------------------------------------------------------------
+
+def _resume_or_start(
+    config: ml_collections.ConfigDict, workdir: pathlib.Path, experiment: Experiment
+) -> TrainState:
+    """The newest checkpoint's state; else a fresh one, after backbone pretraining (its own
+    stage) when the config asks for it, with the backbone's starting weights."""
+    ckpt = experiment.checkpointer
     latest = ckpt.latest_step()
     if latest is not None and latest > config.total_steps:
         raise ValueError(
             f"config.total_steps: {config.total_steps}, but {workdir} already holds step "
             f"{latest}; raise total_steps to continue, or use a fresh --workdir"
         )
-    check_workdir_config(config, workdir, ckpt)
-    restored = restore_newest(experiment, "resuming from")
+    resume.check_workdir_config(config, workdir, ckpt)
+    restored = resume.restore_newest(ckpt, experiment.abstract_state, "resuming from")
     if restored is not None:
-        state = restored.state
-        start_step = int(state.step)
-        logging.info("Resumed from the checkpoint at step %d (workdir %s).", start_step, workdir)
-        print(f"Resumed from step {start_step} of {workdir}; continuing to {config.total_steps}.")
-    else:
-        start_step = 0
-        backbone_weights = pretrained_backbone_path(config, workdir)
-        if backbone_weights == workdir / PRETRAINED_BACKBONE:
-            pretrain_stage(config, workdir)
-        if _is_primary():
-            print(f"New run in {workdir}: initializing the parameters ...", flush=True)
-        state = initial_state(config, experiment)
-        if backbone_weights:
-            state = load_pretrained_backbone(
-                state,
-                config.model.args,
-                backbone_weights,
-                experiment.state_sharding,
-                model_name=config.model.name,
-            )
-    meta = {"config": json.loads(config.to_json_best_effort())}
+        step = int(restored.state.step)
+        logging.info("Resumed from the checkpoint at step %d (workdir %s).", step, workdir)
+        print(f"Resumed from step {step} of {workdir}; continuing to {config.total_steps}.")
+        return restored.state
+    backbone_weights = pretrained_backbone_path(config, workdir)
+    if backbone_weights == workdir / PRETRAINED_BACKBONE:
+        pretrain_stage(config, workdir)
     if _is_primary():
-        files.write_json_atomic(workdir / CONFIG_FILE, meta["config"])
-
-    writer = metric_writers.create_default_writer(
-        str(workdir / "tensorboard"), just_logging=not _is_primary()
+        print(f"New run in {workdir}: initializing the parameters ...", flush=True)
+    state = initial_state(config, experiment)
+    if not backbone_weights:
+        return state
+    return load_pretrained_backbone(
+        state,
+        config.model.args,
+        backbone_weights,
+        experiment.state_sharding,
+        model_name=config.model.name,
     )
+
+
+def _check_finite(pending: list[dict[str, jax.Array]], last_step: int, ckpt) -> None:
+    """NonFiniteLossError naming the first step of `pending` (the metrics of the steps up to
+    `last_step`) whose loss or gradient norm is not finite."""
+    first = last_step - len(pending) + 1
+    for offset, m in enumerate(pending):
+        loss, grad_norm = float(m["loss"]), float(m["grad_norm"])
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            ckpt.wait()
+            raise NonFiniteLossError(
+                f"loss became {loss} (gradient norm {grad_norm}) at step {first + offset}; the "
+                f"last good checkpoint (step {ckpt.latest_step()}) is kept in {ckpt.directory}"
+            )
+
+
+def _train_batches(config: ml_collections.ConfigDict, experiment: Experiment, start_step: int):
+    """The global training batches from `start_step` on, in the same order as a run that never
+    stopped."""
     train_input = ml_collections.ConfigDict(config.input.to_dict())
     train_input.seed = config.seed
-    batches = sharding.start_global(
+    return sharding.start_global(
         pipeline.train_iterator(
             experiment.builder,
             experiment.splits["train"],
@@ -703,6 +573,32 @@ def _train_and_evaluate(
         experiment.data_sharding,
         host_keys=pipeline.HOST_ONLY_KEYS,
     )
+
+
+def _print_step(step: int, total: int, loss: float, steps_run: int, seconds: float) -> None:
+    if _is_primary():
+        rate = steps_run / seconds
+        print(
+            f"step {step}/{total}  loss {loss:.3f}  {rate:.2f} steps/s  "
+            f"ETA {(total - step) / rate / 60:.1f} min",
+            flush=True,
+        )
+
+
+def _train_and_evaluate(
+    config: ml_collections.ConfigDict, workdir: pathlib.Path, experiment: Experiment
+) -> dict[str, Any]:
+    ckpt = experiment.checkpointer
+    state = _resume_or_start(config, workdir, experiment)
+    start_step = int(state.step)
+    meta = {"config": json.loads(config.to_json_best_effort())}
+    if _is_primary():
+        files.write_json_atomic(workdir / resume.CONFIG_FILE, meta["config"])
+
+    writer = metric_writers.create_default_writer(
+        str(workdir / "tensorboard"), just_logging=not _is_primary()
+    )
+    batches = _train_batches(config, experiment, start_step)
     ground_truth = ground_truths(experiment)
     # Records after the resumed step are recomputed below (a fresh run has none to keep); a
     # finished run resumed at its last step evaluates that step again, replacing its record.
@@ -736,35 +632,20 @@ def _train_and_evaluate(
                 report(step)
 
                 # A checkpoint must never hold a diverged state, so every step since the last log
-                # is checked before each save as well as at each log step; the error names the
-                # first one.
+                # is checked before each save as well as at each log step.
                 log_due = step % config.log_every == 0 or step == config.total_steps
                 if log_due or ckpt.should_save(step):
-                    first = step - len(pending) + 1
-                    for offset, m in enumerate(pending):
-                        loss, grad_norm = float(m["loss"]), float(m["grad_norm"])
-                        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                            ckpt.wait()
-                            raise NonFiniteLossError(
-                                f"loss became {loss} (gradient norm {grad_norm}) at step "
-                                f"{first + offset}; the last good checkpoint (step "
-                                f"{ckpt.latest_step()}) is kept in {ckpt.directory}"
-                            )
+                    _check_finite(pending, step, ckpt)
                 if log_due:
                     summary = {k: float(np.mean([m[k] for m in pending])) for k in pending[0]}
                     pending = []
                     summary["learning_rate"] = float(experiment.schedules["transformer"](step))
                     writer.write_scalars(step, summary)
-                    if _is_primary():
-                        # The compilation in the first step is not the training's speed.
-                        elapsed = time.perf_counter() - started - step_fn.compile_seconds
-                        rate = (step - start_step) / elapsed
-                        eta = (config.total_steps - step) / rate
-                        print(
-                            f"step {step}/{config.total_steps}  loss {summary['loss']:.3f}  "
-                            f"{rate:.2f} steps/s  ETA {eta / 60:.1f} min",
-                            flush=True,
-                        )
+                    # The compilation in the first step is not the training's speed.
+                    elapsed = time.perf_counter() - started - step_fn.compile_seconds
+                    _print_step(
+                        step, config.total_steps, summary["loss"], step - start_step, elapsed
+                    )
 
                 # Before the step's checkpoint: a run resumed from it has its evaluation.
                 if (
@@ -785,7 +666,7 @@ def _train_and_evaluate(
                     del batches  # let go of the input pipeline now (see below)
                     raise multihost.Preempted(multihost.preempted_line(step, workdir))
         except KeyboardInterrupt:
-            raise KeyboardInterrupt(keep_on_interrupt(ckpt, state, meta, workdir)) from None
+            raise KeyboardInterrupt(resume.keep_on_interrupt(ckpt, state, meta, workdir)) from None
     ckpt.wait()
     # Released before the final evaluation: torn down at function exit instead, the input
     # pipeline stalled the end of the run (12 s on a 20-step demo run, 30-50 s on full ones).
@@ -819,18 +700,18 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     workdir = pathlib.Path(workdir)
     experiment = setup(config, workdir)
     ckpt = experiment.checkpointer
-    check_workdir_config(config, workdir, ckpt)
-    restored = restore_newest(experiment, "evaluating step")
+    resume.check_workdir_config(config, workdir, ckpt)
+    restored = resume.restore_newest(ckpt, experiment.abstract_state, "evaluating step")
     if restored is None:
         raise FileNotFoundError(
             f"no checkpoint in {ckpt.directory}: train first (`ood-jax train` on this --workdir)"
         )
-    started = start_manifest("evaluate", config, experiment)
+    started = run_manifest.start("evaluate", config, experiment.builder, experiment.splits)
     with manifest.recording(workdir, started, enabled=_is_primary()) as record:
         evaluated = evaluate_all(config, experiment, restored.state, ground_truths(experiment))
         results = summarize(restored.step, evaluated)
         if _is_primary():
             evaluation.write_results(workdir, results, config.model_name)
-            record.update(end_manifest(config, workdir, ckpt, results))
+            record.update(_end_manifest(config, workdir, experiment, results))
     ckpt.close()
     return results

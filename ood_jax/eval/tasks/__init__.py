@@ -1,18 +1,6 @@
-"""The tasks `ood-jax eval-mllm` runs, by name: `make_benchmark(name, ...)`.
-
-foci          FOCI multiple choice (tasks/foci.py)
-oodbench      OODBench yes/no questions, plain or chain-of-thought (tasks/oodbench.py)
-oodbench-bap  OODBench Basic-to-Advanced Progression questions (tasks/oodbench.py)
-counts-oodg   COUNTS OODG grounding, localization and mapping items (tasks/counts_oodg.py)
-
-`circular=N` (`--circular N`, foci and oodbench) asks every question under N orders of its
-options, each its own item, and adds the circular verdicts to the results (tasks/circular.py).
-
-`scoring_for(run)` is a task's scoring without its data, from the identity a run directory's
-run.json holds: what `ood-jax rescore` reads replies and computes results with. What every task
-shares (Item, the Scoring and Benchmark interfaces, reading built TFDS datasets, summaries and
-tables) is in tasks/base.py; the parser audit in tasks/audit.py.
-"""
+"""The tasks `ood-jax eval-mllm` runs, by name (`make_benchmark`: foci, oodbench, oodbench-bap,
+counts-oodg), and `scoring_for(run)`, a task's scoring from the identity a run.json holds (what
+`ood-jax rescore` reads replies with)."""
 
 from __future__ import annotations
 

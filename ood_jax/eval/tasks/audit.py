@@ -1,12 +1,6 @@
-"""How far a run's numbers depend on how its replies were read: the parser audit, and the count
-of replies the judge mode sent to its judge. Both go into results.json and results.md.
-
-The audit reads every record again under each parse mode of its task (the judge mode too when
-the judge's verdicts are at hand) and reports, per mode, the replies it cannot read, the replies
-it reads differently from the mode the results use, and the headline number (with its interval)
-it would give; the largest movement of that number between modes says how much of a difference
-between two runs the parser alone could explain.
-"""
+"""How far a run's numbers depend on how its replies were read: the parser audit (per parse mode,
+the replies it cannot read, those it reads differently and the headline number it gives), and
+the count of replies the judge mode sent to its judge."""
 
 from __future__ import annotations
 

@@ -1,18 +1,7 @@
-"""What every task of `ood-jax eval-mllm` shares: the item, the Scoring and Benchmark interfaces
-(what eval/runner.py, eval/rescore.py and eval/clip_baseline.py drive; the tasks in tasks/foci.py,
-tasks/oodbench.py and tasks/counts_oodg.py implement them), reading built TFDS datasets, and the
-summaries and tables the results are made of (the parser audit across modes is tasks/audit.py).
-
-A Scoring reads replies and turns prediction records into results from the records alone, so
-that a run directory is re-scored without its data (`ood-jax rescore`); a Benchmark is a Scoring
-that also has the items. A multiple-choice task reads its replies under one of PARSE_MODES
-(ood_jax.eval.parsing's CHOICE_MODES, and "judge": strict, then a judge model's verdict for what
-no rule reads); the mode is not part of a run's identity, since the stored reply is what was said.
-
-Every reply that cannot be read, and every request that failed, counts as a wrong answer; how
-many there were is reported next to each number, and every accuracy over items comes with an
-exact (Clopper-Pearson) interval.
-"""
+"""What every task of `ood-jax eval-mllm` shares: the Item, the Scoring interface (replies and
+records to results, without the data, so that `ood-jax rescore` needs none) and the Benchmark
+(a Scoring with items), the parse modes, reading built TFDS datasets, and the summaries and
+tables the results are made of."""
 
 from __future__ import annotations
 

@@ -1,26 +1,6 @@
-"""Circular evaluation (`ood-jax eval-mllm --circular N`): every question asked under N orders of
-its options, each order its own item, and the question counted right only when every order is
-(MMBench's CircularEval). What FOCI (tasks/foci.py) and OODBench (tasks/oodbench.py) share: the
-rotations an item is asked under, and the summaries their results are made of.
-
-Rotations are cyclic shifts, as in MMBench: shift s lists the options from the s-th on, wrapping
-around ("A B C D" shifted by 1 asks "B C D A"), so each option keeps its neighbours and, over all
-K shifts of K options, the answer sits once at every position. Shift 0 is the original order and
-is always asked, under the original id, so it is the item a plain run asks; shift s > 0 is item
-`<id>#rot<s>`, with its own prompt and digest, so the runner resumes, limits and re-scores it
-like any other item. With N = K every shift is asked. With N < K the N - 1 other shifts are drawn
-per item, seeded by its id: the shifts sorted by SHA-256 of (SEED, id, shift), the first N - 1
-taken, so every machine draws the same ones, a larger N asks a superset of a smaller one's, and
-across items the answer lands on every position about equally often. The rotated items of one
-question follow one another, so `--limit` (which counts asked items) cuts at most one question's
-rotations short; a group without all its rotations is left out of the circular numbers and
-counted apart.
-
-N is part of the run's identity (tasks' `identity()`, run.json "circular"): a directory holds a
-circular run or a plain one, never both. Each asked item's meta carries "rotation" (its shift)
-and "rotation_of" (the original item's id); the results of a circular run hold
-"circular_eval" beside the task's usual tables, which count every asked item.
-"""
+"""Circular evaluation (`eval-mllm --circular N`): what FOCI and OODBench share of it, the
+rotations an item is asked under (each its own item, `<id>#rot<s>`) and the summaries of
+"circular_eval". How the rotations are drawn: docs/guide/mllm.md, "Circular evaluation"."""
 
 from __future__ import annotations
 

@@ -1,29 +1,7 @@
-"""A task over a corrupted dataset (`ood-jax build corrupted`; `ood-jax eval-mllm foci|oodbench
---corrupted corrupted/NAME`): the benchmark's items once clean and once per corruption and
-severity, asked and scored as the task asks and scores them, and its numbers per corruption.
-
-Items: every record of the build's split `{S}__clean` and `{S}__{corruption}_{severity}` for each
-split S the task asks (FOCI's test; OODBench's id, ood_s and ood_h), clean first, then the
-corruptions in ImageNet-C's order, severities ascending. Each is asked as the task asks S's
-record (the task's `record_items`), its id prefixed with the variant (`clean/...`,
-`fog_3/...`), so that the run's records never collide, and its meta tagged with "corruption"
-(a corruption's name, or "clean") and "severity" (None when clean). The run's identity gains
-"corrupted": the dataset's name; a plain run's identity and items are what they were.
-
-Results (`ByCorruption`, what FociScoring and OodBenchScoring read records with): a run whose
-records carry no tag gets the task's tables (`plain_results`) as before; a corrupted run gets
-them over every item asked, clean and corrupted (as a circular run counts every rotation: so
-"num_items", the parser audit and `ood-jax rescore` cover the whole run), and "corruptions":
-
-    {"metric": "accuracy" | "F1", "headline": split,
-     "clean": the task's tables over the clean items (a plain run's over the source),
-     "per_corruption": {corruption: {"1": the task's tables over those items, ...}},
-     "robustness": {split: ood_jax.metrics.robustness.summary(...)} | null}
-
-"robustness" holds mPC and rPC per evaluated split (the task's `corruption_scores`), null when
-the grid is incomplete or a copy's items are (a --limit run); `write_robustness` writes it as RUN/corruptions.json
-(the headline split) and RUN/corruptions/{split}.json, the files `ood-jax report` reads.
-"""
+"""A task over a corrupted dataset (`eval-mllm foci|oodbench --corrupted corrupted/NAME`): the
+benchmark's items clean and under each corruption and severity, asked and scored as the task
+asks and scores them, with its numbers per corruption and mPC/rPC (`write_robustness`). The
+items' ids and the results' "corruptions": docs/guide/mllm.md, "Corrupted datasets"."""
 
 from __future__ import annotations
 

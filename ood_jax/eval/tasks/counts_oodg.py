@@ -1,30 +1,7 @@
-"""COUNTS OODG (items.jsonl written by `ood-jax mine oodg`): selection accuracy per domain and
-S/M/L object size (Visual Grounding, Table 4), COCO mAP (Recognition and Localization, Table 5)
-and mapping accuracy (Visual and Semantic Mapping, Table 14), one row per (setting, number of
-in-context examples) as the paper's tables.
-
-items.jsonl holds one JSON object per line:
-
-    {"id": str, "task": "grounding" | "localization" | "mapping",
-     "setting": "zero_shot" | "iid" | "covariate_shift" | "label_shift" | "spurious_correlation",
-     "domain": str, "size": "S" | "M" | "L" | null,
-     "prompt": str, with one "<image>" per image, in order,
-     "images": [paths relative to the items file's directory; in-context images first],
-     "options": [str] | null,
-     "answer": int (grounding: option index) | [int, int, int, int] (mapping: option index of
-               the blue, red, yellow and green box) | [[x, y, w, h], ...] (localization: pixel
-               boxes in the image as sent),
-     "category": str | null (localization: the category asked for), "image_size": [w, h]}
-
-The number of in-context examples of an item is len(images) - 1.
-
-Grounding replies are read under a parse mode (tasks/base.py PARSE_MODES but FOCI's rule, which
-would read "Answer Choice: [B]" as A): strict (the default), last or judge. Mapping replies are
-read one box line at a time, and localization replies as boxes, whatever the mode.
-
-A task of ood_jax.eval.tasks (interface in tasks/base.py); prompts from ood_jax.prompts, replies
-read by ood_jax.eval.parsing, mAP from ood_jax.metrics.coco.
-"""
+"""COUNTS OODG (`eval-mllm counts-oodg`, the items.jsonl of `ood-jax mine oodg`, whose format
+docs/guide/mllm.md gives): Visual Grounding accuracy per domain and object size (Table 4),
+Recognition and Localization mAP (Table 5) and Visual and Semantic Mapping accuracy (Table 14),
+one row per (setting, number of in-context examples)."""
 
 from __future__ import annotations
 

@@ -1,26 +1,7 @@
 """FOCI (TFDS `foci/<config>`, split `test`): four-way multiple choice, accuracy per dataset and
-their mean as FOCI's Table 2. Replies are read under a parse mode (tasks/base.py PARSE_MODES):
-FOCI's rule (the reply begins with the letter, Appendix A; the default, to reproduce its
-numbers), strict, last, or judge.
-
-Splits besides `test` (the foci builder writes ImageNet-1k's Table 3 halves, `train_half` and
-`test_half`, and one split per GeoDE region for Table 7; each repeats some of test's records)
-are not asked again: one run over `test` scores everything. Each item whose record is also in
-such a split carries that split's name in its meta ("split", read from the build's other splits
-by image/filename), and "per_split" reports the accuracy of each split's items, with its
-interval, beside the config's accuracy over all of them (Table 7's All); every item counts once
-in its config and once in its split. Configs without such splits are asked and identified as
-before; items recorded by a version that did not tag them are counted in no split
-("without_split" says how many).
-
-With `circular=N` (`--circular N`, 2 to 4) every item is asked under N cyclic shifts of its
-options (tasks/circular.py); the Table 2, 3 and 7 numbers then count every asked item, and
-"circular_eval" adds, per dataset and over all items, the accuracy in the original order and
-with every rotation right (MMBench's CircularEval), and how often each letter is picked.
-
-A task of ood_jax.eval.tasks (interface in tasks/base.py); prompts from ood_jax.prompts, replies
-read by ood_jax.eval.parsing.
-"""
+their mean as FOCI's Table 2, the Table 3 and 7 splits' accuracies from the same run
+("per_split"), and with `circular=N` MMBench's CircularEval (tasks/circular.py). What the
+results hold: docs/guide/mllm.md."""
 
 from __future__ import annotations
 

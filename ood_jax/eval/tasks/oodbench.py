@@ -1,24 +1,7 @@
-"""OODBench (TFDS `oodbench/default` and `oodbench/bap`).
-
-Yes/no questions: accuracy, precision, recall, F1 and MCC on ID, OOD-S and OOD-H (the paper's
-main table), with the paper's questions (setting `plain`) or its chain-of-thought wording (`cot`,
-the verdict read from the end of the reply). BAP: E-Acc, C-Acc, L-Acc and the overall C/N.
-
-Circular evaluation (`circular=2`, `--circular 2`; tasks/circular.py) treats a yes/no question's
-two answers as its options: each question is asked again with them listed the other way round
-("(no or yes)", "No or Yes?"; ood_jax.prompts), the one other cyclic shift of two options. The
-swapped question, the one whose right answer is the other answer, is the question's negation
-("Does this image not contain a ...?"), and OODBench already asks it of every instance (its
-builder balances the labels so, Fig. 4): it is paired with the question, not asked again. An
-instance's four items (the question and its negation, each in both orders) all right is the
-circular verdict; a model that always says "yes" is right on half the items and on no instance.
-Beside the main table (every asked item counted) "circular_eval" reports per split the questions
-right in both orders, the instances right throughout, the share of "yes" among the replies
-against the share the answers have, and how often the first-listed answer is picked.
-
-Tasks of ood_jax.eval.tasks (interface in tasks/base.py); prompts from ood_jax.prompts, replies
-read by ood_jax.eval.parsing, metrics from ood_jax.metrics.classification.
-"""
+"""OODBench (TFDS `oodbench/default` and `oodbench/bap`): yes/no questions scored by accuracy,
+precision, recall, F1 and MCC on ID, OOD-S and OOD-H, plain or chain-of-thought; BAP's E-Acc,
+C-Acc, L-Acc and overall score; and circular evaluation of the yes/no questions (N = 2: each
+asked with its answers the other way round, paired with its negation; docs/guide/mllm.md)."""
 
 from __future__ import annotations
 
