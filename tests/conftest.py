@@ -1,9 +1,18 @@
 """Test-session setup shared by every test module."""
 
+import pathlib
+import sys
+
+# Tests are grouped in one folder per area; a test module may reuse another's helpers and
+# fixtures (`from test_clients import ...`), from any folder.
+for _area in sorted(pathlib.Path(__file__).parent.iterdir()):
+    if _area.is_dir() and not _area.name.startswith((".", "_")):
+        sys.path.insert(0, str(_area))
+
 # triton's native library (which torchvision imports through torch._dynamo) crashes the
 # process when it is loaded after TensorFlow's; loading the PyTorch references first is safe.
-import timm  # noqa: F401
-import torchvision  # noqa: F401
+import timm  # noqa: E402, F401
+import torchvision  # noqa: E402, F401
 
 import contextlib  # noqa: E402
 import shutil  # noqa: E402

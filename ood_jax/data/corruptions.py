@@ -4,7 +4,7 @@
 packaged for COCO-C) is the corruption code; nothing here reimplements one. Its `corruptions.py`
 no longer runs on today's stack, so it is compiled from the installed file with a few one-line
 substitutions (`_COMPAT`), without importing the package. `corrupt` applies a corruption as the
-package's `corrupt` does, seeded, so a rebuild is byte-identical (tests/test_corruptions.py).
+package's `corrupt` does, seeded, so a rebuild is byte-identical (tests/data/test_corruptions.py).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from ood_jax.prompts import MAPPING_COLORS
 
 # Recorded in every eval-mllm run's manifest.json: raise it whenever a change here reads some
-# reply differently (tests/test_parsing.py's tables say which), since the scores move with it.
+# reply differently (tests/mllm/test_parsing.py's tables say which), since the scores move with it.
 PARSER_VERSION = 1
 
 _LETTERS = string.ascii_uppercase

@@ -2,7 +2,7 @@
 
 `DeformableDetr` computes what transformers' `DeformableDetrForObjectDetection` computes, with
 its `two_stage` and `with_box_refine` options and Flax names mirroring its modules
-(tests/test_deformable_detr_parity.py). The blocks (`backbone_feature_maps`, `MultiScaleNeck`,
+(tests/models/test_deformable_detr_parity.py). The blocks (`backbone_feature_maps`, `MultiScaleNeck`,
 `flatten_levels`, the deformable encoder and decoder layers, `encoder_proposals`) serve
 `ood_jax.models.dino` too. The family's surface for `ood_jax.models.registry`: `Model`,
 `postprocess`, `make_loss` (`ood_jax.models.focal_set_loss`) and `load_backbone`.

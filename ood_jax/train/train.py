@@ -7,7 +7,7 @@ continues to `config.total_steps`.
 `setup` builds what training and evaluation share (an `Experiment`: mesh, data, model, optimizer,
 the state's layout) and creates no parameters. Its data-free part, a `StepLayout`
 (`build_layout`), is all the jitted steps are built from (`jit_train_step`, `jit_predict_step`),
-so they can be lowered for other platforms without a dataset or a run (tests/test_lowering.py).
+so they can be lowered for other platforms without a dataset or a run (tests/training/test_lowering.py).
 A fresh run then has its stages in order: backbone pretraining when `config.pretrain.steps` asks
 for it (also its own command, `ood-jax pretrain`), the initial state, the starting backbone
 weights. Evaluation only restores a checkpoint.

@@ -31,7 +31,7 @@ from ood_jax.models import EXPORT_FORMAT_VERSION, load_exported, registry
 from ood_jax.train import checkpoint, train
 from ood_jax.train import export as export_lib
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG_FILE = REPO / "configs" / "synthetic_detr.py"
 TRAINING_STACK = ("optax", "orbax", "tensorflow", "tensorflow_datasets", "clu")
 

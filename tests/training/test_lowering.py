@@ -28,7 +28,7 @@ from jax import export
 from ood_jax import config_files, sharding
 from ood_jax.train import train
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 ACCELERATORS = ("cuda", "tpu")
 FAMILIES = ("detr", "deformable_detr", "dino")
 DTYPES = ("float32", "bfloat16")  # config.model.dtype

@@ -1,7 +1,7 @@
 """OODBench's four scorers, real ones: `mine oodbench-ablation` over tiny random-weight CLIP, BLIP-2,
 GroupViT and LiT checkpoints loaded from disk by `ood_jax.scorers.from_hf`, against reference
 scores computed without this project's models (transformers' PyTorch models for CLIP, BLIP-2 and
-GroupViT; for LiT-B16B's layout, the numpy forward and WordPiece rule of tests/test_lit.py) and a
+GroupViT; for LiT-B16B's layout, the numpy forward and WordPiece rule of tests/scorers/test_lit.py) and a
 numpy reference of the paper's rule.
 
 Images are the models' own size (32 px), so every image processor only rescales and normalizes

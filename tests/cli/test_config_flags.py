@@ -12,7 +12,7 @@ from ml_collections import config_flags as absl_config_flags
 from ood_jax import cli
 from ood_jax.cli import config_flags
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SPEC = f"{ROOT}/configs/synthetic_detr.py:smoke"
 
 OVERRIDES = [

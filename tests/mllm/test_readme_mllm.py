@@ -12,8 +12,8 @@ import sys
 from ood_jax import cli
 from ood_jax.eval import store
 
-GUIDE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "guide" / "mllm.md"
-MARKER = "(`tests/test_readme_mllm.py` runs exactly these lines.)"
+GUIDE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "guide" / "mllm.md"
+MARKER = "(`tests/mllm/test_readme_mllm.py` runs exactly these lines.)"
 
 
 def walkthrough() -> list[str]:

@@ -25,7 +25,7 @@ from ood_jax.eval.clients import ClientError, OpenAIChatClient, Request
 from ood_jax.eval.tasks.base import Item
 from ood_jax.mining import foci, jobs
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 USAGE = {"prompt_tokens": 30, "completion_tokens": 2, "total_tokens": 32}
 KEY_ENV, KEY = "OOD_JAX_MANIFEST_KEY", "sk-manifest-test-secret"
 

@@ -3,7 +3,7 @@ numbers, integral floats as the integers they equal, repeated annotation ids ref
 line naming the record, the field and the id for every id pycocotools only reads by accident.
 
 Numbers are checked against pycocotools itself (COCO + loadRes + COCOeval on the same dicts),
-the 12 stats to 1e-6 as in tests/test_coco_parity.py.
+the 12 stats to 1e-6 as in tests/metrics/test_coco_parity.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 the official checkpoint layout.
 
 The DINO blocks shared with Deformable DETR are pinned to transformers by
-tests/test_deformable_detr_parity.py; here:
+tests/models/test_deformable_detr_parity.py; here:
   * the attention mask of `denoising.make_cdn_queries` really isolates the matching queries
     (their outputs are the same with or without denoising queries, and differ without the mask)
     and the denoising groups from each other;

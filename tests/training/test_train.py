@@ -39,7 +39,7 @@ from ood_jax.data import counts, pipeline
 from ood_jax.metrics import coco
 from ood_jax.train import train
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG_FILE = REPO / "configs" / "synthetic_detr.py"
 CONFIG_FLAG = f"--config={CONFIG_FILE}:smoke"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -18,7 +18,7 @@ CONFIGS = {
     "configs/counts_dino_r50.py": ("", "gpu8", "runlocal"),
     "configs/counts_dino_vit.py": ("", "gpu8", "runlocal"),
 }
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(

@@ -32,7 +32,7 @@ from ood_jax import cli, datasets
 from ood_jax.detection import evaluation
 from ood_jax.train import checkpoint, config_checks, resume, train
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG_FILE = REPO / "configs" / "synthetic_detr.py"
 STEPS = 4
 CHECKPOINTS = [1, 2, STEPS]

@@ -10,7 +10,7 @@
 * A dtype that is none is refused in one line naming the field; a changed dtype resumes, said.
 * An exported model computes in the dtype it was trained and evaluated in.
 
-The steps lower for GPU and TPU in bfloat16 too: tests/test_lowering.py, parametrized by dtype.
+The steps lower for GPU and TPU in bfloat16 too: tests/training/test_lowering.py, parametrized by dtype.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ood_jax.data import pipeline
 from ood_jax.models import exported, focal_set_loss, load_exported, registry, set_loss
 from ood_jax.train import config_checks, resume, train
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 6
 # Relative difference allowed between the two runs' losses at each step. bfloat16 keeps 8
 # significant bits (a rounding error of up to 2^-9 = 0.2% per operation); through the backbone,

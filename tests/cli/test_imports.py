@@ -12,7 +12,7 @@ import pathlib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ("ood_jax", "tfds_builders")
 
 # Top to bottom: a module may import its own layer or any layer below it, never one above.

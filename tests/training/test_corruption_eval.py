@@ -24,7 +24,7 @@ from ood_jax.detection import corruption_eval, evaluation
 from ood_jax.metrics import robustness
 from ood_jax.train import evaluate_corrupted, resume, train
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG_FILE = REPO / "configs" / "synthetic_detr.py"
 CORRUPTIONS = ("gaussian_noise", "contrast")
 SEVERITIES = (1, 5)

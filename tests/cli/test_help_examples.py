@@ -17,7 +17,7 @@ import pytest
 from ood_jax import cli
 from ood_jax.cli import train
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _subcommands(

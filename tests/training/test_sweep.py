@@ -29,7 +29,7 @@ from ood_jax.metrics import coco
 from ood_jax.testing import coco_cases
 from ood_jax.train import config_checks, selection, sweep, train
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG_FILE = REPO / "configs" / "synthetic_detr.py"
 SEEDS = (0, 1)
 TARGETS = ("sky", "dim")  # 12 training domains, 2 targets: few evaluation passes per step

@@ -68,7 +68,7 @@ def test_console_script_runs_demo():
 def test_detector_commands_have_help(command, capsys, monkeypatch):
     """`ood-jax train --help` lists the flags, an example, the configs, and the chosen config's
     description (its variants) and top-level fields with their values."""
-    repo = pathlib.Path(__file__).resolve().parents[1]
+    repo = pathlib.Path(__file__).resolve().parents[2]
     monkeypatch.chdir(repo)
     with pytest.raises(SystemExit) as stopped:
         cli.main([command, "--help", "--config=configs/synthetic_detr.py:smoke"])

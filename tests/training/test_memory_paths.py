@@ -79,7 +79,7 @@ def test_remat_changes_neither_outputs_nor_gradients(family: str) -> None:
 
 def test_recomputed_op_lowers_for_gpu_and_tpu() -> None:
     """The custom VJP's chunked gather and scatter export for both accelerators (the train
-    steps of tests/test_lowering.py run without remat)."""
+    steps of tests/training/test_lowering.py run without remat)."""
     from jax import export
 
     from ood_jax.models import deformable_attention as da

@@ -14,7 +14,7 @@ import pytest
 from ood_jax import cli
 from ood_jax.testing import coco_cases
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "synthetic_detr.py"
 
 

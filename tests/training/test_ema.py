@@ -34,7 +34,7 @@ from ood_jax.data import pipeline
 from ood_jax.models import load_exported
 from ood_jax.train import config_checks, export, optim, resume, train
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG_FILE = REPO / "configs" / "synthetic_detr.py"
 STEPS = 4
 # With the warmup (the default) the 4 steps' decays are its cap (1 + t) / (10 + t), 0.1 to

@@ -35,7 +35,7 @@ import tensorflow as tf
 from ood_jax import datasets, multihost
 from ood_jax.train import selection, train
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = f"--config={REPO / 'configs' / 'synthetic_detr.py'}:smoke"
 STEPS = 4
 LOSS_LINE = re.compile(r"^step (\d+)/(\d+)\s+loss (\S+)", re.MULTILINE)

@@ -3,7 +3,7 @@ verdicts are cached and resumed like predictions, the judge is part of the run's
 failures are retried by the next run, and judged replies are counted apart.
 
 The benchmark is FOCI's scoring over text-only items (no dataset to build); the model under test
-and the judge are two loopback chat servers (tests/test_clients.py)."""
+and the judge are two loopback chat servers (tests/mllm/test_clients.py)."""
 
 from __future__ import annotations
 
