@@ -19,6 +19,7 @@ import numpy as np
 import scipy.stats
 import pytest
 
+from ood_jax.cli import compare as compare_cli
 from ood_jax.detection import compare, evaluation
 from ood_jax.metrics import bootstrap, coco
 from ood_jax.testing.coco_cases import random_case
@@ -335,7 +336,7 @@ def test_the_paired_bootstrap_matches_a_slow_loop(tmp_path):
 
 def _parser():
     parser = argparse.ArgumentParser(prog="ood-jax")
-    compare.add_parsers(parser.add_subparsers(dest="command", required=True))
+    compare_cli.add_parsers(parser.add_subparsers(dest="command", required=True))
     return parser
 
 
@@ -414,7 +415,9 @@ def test_a_damaged_matches_file_names_the_field(tmp_path):
 
 def test_compare_detectors_help_examples_parse():
     parser = argparse.ArgumentParser(prog="ood-jax")
-    command = compare.add_parsers(parser.add_subparsers(dest="command", required=True))
+    command = compare_cli.add_compare_detectors(
+        parser.add_subparsers(dest="command", required=True)
+    )
     examples = [
         line.strip()
         for line in command.format_help().splitlines()
