@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test bench docs clean
+.PHONY: demo test test-fast bench docs clean
 
 # Stamps record what the venv holds for this pyproject; editing pyproject reinstalls. The demo
 # needs the package alone; tests add the parity references (torch, timm, pycocotools, ...).
@@ -21,8 +21,15 @@ $(VENV)/.installed: $(VENV)/.runtime
 demo: $(VENV)/.runtime
 	$(BIN)/ood-jax demo
 
+# Two workers, each taking whole modules (module fixtures are shared by a module's tests).
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile
+
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q --durations=25 tests
+	$(PYTEST) --durations=25 tests
+
+# The edit loop: everything but the tests marked slow (training, several processes, servers).
+test-fast: $(VENV)/.installed
+	$(PYTEST) -m "not slow" tests
 
 bench: $(VENV)/.installed
 	$(BIN)/python bench/coco_eval.py

@@ -54,6 +54,7 @@ def test_coco_eval_names_bad_detection(case_files, tmp_path):
         cli.main(["coco-eval", "--gt", str(gt_path), "--detections", str(bad)])
 
 
+@pytest.mark.slow
 def test_console_script_runs_demo():
     result = subprocess.run(
         [sys.executable, "-m", "ood_jax", "coco-demo", "--images", "30", "--categories", "3"],
@@ -86,6 +87,7 @@ def test_detector_commands_have_help(command, capsys, monkeypatch):
         assert expected in out, expected
 
 
+@pytest.mark.slow
 def test_tensorflow_startup_notices_are_silenced():
     """TF prints oneDNN and CPU-feature notices at import; a command that loads TF (here the
     dataset registry, before its unknown-name error) prints only its own line."""

@@ -21,6 +21,7 @@ CONFIGS = {
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "spec", [f"{path}:{arg}" if arg else path for path, args in CONFIGS.items() for arg in args]
 )

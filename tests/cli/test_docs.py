@@ -9,6 +9,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 
@@ -48,6 +50,7 @@ REFERENCE = {
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 
 
+@pytest.mark.slow
 def test_the_site_builds_strictly(tmp_path):
     site = tmp_path / "site"
     done = subprocess.run(

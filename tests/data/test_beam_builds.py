@@ -110,6 +110,7 @@ def counts_source(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_counts_records_and_skips_match(counts_source, tmp_path):
     single, beamed = _both(tmp_path, "counts", source=str(counts_source), on_error="skip")
     _assert_same_build(single, beamed)
@@ -229,6 +230,7 @@ def oodbench_source(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_oodbench_records_and_skips_match(oodbench_source, tmp_path):
     single, beamed = _both(tmp_path, "oodbench", source=str(oodbench_source), on_error="skip")
     _assert_same_build(single, beamed)

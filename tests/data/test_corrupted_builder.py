@@ -54,6 +54,7 @@ def _record_files(builder) -> dict[str, str]:
     }
 
 
+@pytest.mark.slow
 def test_names_and_sizes(built, data_dir):
     source = datasets.load(SOURCE, str(data_dir))
     request = corrupted.Request.create(
@@ -109,6 +110,7 @@ def test_images_are_corrupted_and_clean_is_copied(built, data_dir):
                     assert not np.array_equal(variants[a], variants[b])
 
 
+@pytest.mark.slow
 def test_rebuild_is_byte_identical_and_seeds_follow_the_image(built, data_dir, tmp_path):
     again = tmp_path / "again"
     datasets.build("synthetic_shifts", str(again), config="tiny")
@@ -176,6 +178,7 @@ def test_load_by_name(built, data_dir):
         datasets.load("corrupted/synthetic_shifts-tiny-0000000000", str(data_dir))
 
 
+@pytest.mark.slow
 def test_readable_without_ood_jax(built, tmp_path):
     got = plain_tfds.detection_records(built.data_dir, ["test_sky__fog_3"], cwd=tmp_path)
     names = built.info.features["objects"]["label"].names

@@ -201,6 +201,7 @@ def _check_record(record: dict, want: Expected, label_names) -> None:
     assert objects["id"].tolist() == want.ann_ids
 
 
+@pytest.mark.slow
 def test_records_match_the_source(full):
     source, builder, data_dir = full
     label_names = builder.info.features["objects"]["label"].names
@@ -306,6 +307,7 @@ def test_bad_domain_lists_fail_naming_the_image(tmp_path, value, message):
         build(source, tmp_path / "data")
 
 
+@pytest.mark.slow
 def test_readable_without_ood_jax(full, tmp_path):
     """The records open with plain TFDS in a process that never imports our code."""
     source, builder, _ = full

@@ -246,6 +246,7 @@ def test_resume_continues_the_same_sequence(builder):
             np.testing.assert_array_equal(x[key], y[key])
 
 
+@pytest.mark.slow
 def test_processes_feed_their_rows_of_one_global_order(builder):
     """Two processes' rows of each global batch, stacked, are the one process's batch, bit for
     bit, from the start and from a resume point; so the data does not depend on the process
@@ -344,6 +345,7 @@ _GLOBAL_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_global_array_on_a_four_device_mesh(builder):
     env = {
         **os.environ,

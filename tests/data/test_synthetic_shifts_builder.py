@@ -64,6 +64,7 @@ def test_features_and_descriptions(tiny):
     assert builder.builder_config.name == "tiny"
 
 
+@pytest.mark.slow
 def test_records_are_valid(tiny):
     builder, _ = tiny
     image_ids, object_ids = [], []
@@ -118,6 +119,7 @@ def test_train_and_test_differ(tiny):
     assert train.shape != test.shape or np.abs(train.astype(int) - test).mean() > 5
 
 
+@pytest.mark.slow
 def test_two_builds_are_identical(tiny, tmp_path):
     builder, _ = tiny
     again = tfds.builder("synthetic_shifts/tiny", data_dir=str(tmp_path))

@@ -31,6 +31,7 @@ def label_cases(rng: np.random.Generator):
 
 
 # sklearn warns when a degenerate case holds a single label; that case is the point here.
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:A single label was found")
 def test_binary_report_matches_sklearn():
     rng = np.random.default_rng(0)

@@ -120,6 +120,7 @@ def test_string_image_ids_order_as_strings():
     assert ours.GroundTruth.from_coco(strings[0]).image_ids.tolist() == ["10", "2"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, image",
     [

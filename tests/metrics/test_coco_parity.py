@@ -177,6 +177,7 @@ def _random_kwargs(seed: int) -> dict:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(40))
 def test_parity_random(seed):
     kw = _random_kwargs(seed)
@@ -238,6 +239,7 @@ EMPHASIS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(EMPHASIS))
 def test_parity_emphasis(name):
     kw = dict(num_images=40, dets_per_image=40)

@@ -86,6 +86,7 @@ def test_binomial_bad_input(call, match):
 # --- MMD ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(4))
 def test_mmd2_matches_numpy_reference(seed):
     rng = np.random.default_rng(seed)
@@ -101,6 +102,7 @@ def test_mmd2_matches_numpy_reference(seed):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-6)
 
 
+@pytest.mark.slow
 def test_mmd2_same_vs_shifted():
     rng = np.random.default_rng(10)
     x, y = rng.normal(size=(2000, 16)), rng.normal(size=(1500, 16))
@@ -110,6 +112,7 @@ def test_mmd2_same_vs_shifted():
     assert shifted > 50 * max(abs(same), 1e-4)
 
 
+@pytest.mark.slow
 def test_permutation_test_shifted_and_same():
     rng = np.random.default_rng(11)
     x = rng.normal(size=(150, 4))
@@ -121,6 +124,7 @@ def test_permutation_test_shifted_and_same():
     assert min(p_same) > 0.05
 
 
+@pytest.mark.slow
 def test_permutation_chunking_keeps_p_value():
     # Chunking and padding of the permutations must not change which relabellings are scored.
     rng = np.random.default_rng(12)
@@ -134,6 +138,7 @@ def test_permutation_chunking_keeps_p_value():
     assert 1 / 51 <= p <= 1
 
 
+@pytest.mark.slow
 def test_within_split_and_tost():
     rng = np.random.default_rng(13)
     train = rng.normal(size=(400, 8))
@@ -218,6 +223,7 @@ def test_jackknife_upper_bound_covers_the_population_value():
     assert 0.75 <= np.mean(covered) <= 1.0
 
 
+@pytest.mark.slow
 def test_mmd_equivalence_uses_one_kernel():
     rng = np.random.default_rng(51)
     train, val = rng.normal(size=(60, 3)), rng.normal(size=(200, 3))
@@ -411,6 +417,7 @@ def _paired_bootstrap_loop(metric, a, b, num_bootstrap, seed, confidence):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("name", ["accuracy", "f1", "mcc"])
 def test_paired_bootstrap_matches_a_slow_sklearn_loop(seed, name):

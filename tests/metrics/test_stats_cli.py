@@ -82,6 +82,7 @@ def test_paper_theta_min_is_printed(capsys):
     assert "two-sided 95% interval: [0.8935, 0.9995]" in text
 
 
+@pytest.mark.slow
 def test_mmd_command_matches_numpy(tmp_path, capsys):
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(40, 3)), rng.normal(size=(30, 3)) + 0.8
@@ -105,6 +106,7 @@ def test_mmd_command_matches_numpy(tmp_path, capsys):
     assert "p_value" not in fixed
 
 
+@pytest.mark.slow
 def test_equivalence_command(tmp_path, capsys):
     rng = np.random.default_rng(1)
     train = rng.normal(size=(80, 4))

@@ -328,6 +328,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_ctrl_c_with_a_slow_server_returns_at_once(tmp_path):
     """The server holds every request until it shuts down; Ctrl-C arrives while two are out.
     Before, ThreadPoolExecutor's threads were joined on the way out and the process waited for

@@ -204,6 +204,7 @@ def _yes_no(pairs, side: int) -> tuple[np.ndarray, np.ndarray]:
     return truth, said_yes
 
 
+@pytest.mark.slow
 def test_oodbench_f1_and_mcc_against_sklearn_and_a_slow_bootstrap(tmp_path):
     records_a, records_b = oodbench_records(1, 0.6), oodbench_records(2, 0.8)
     rows = rows_by(run_compare(tmp_path, "oodbench", records_a, records_b))

@@ -181,6 +181,7 @@ def test_foci_per_corruption_beside_a_plain_run(foci_data, tmp_path):
     assert "corruptions-" in page.read_text()
 
 
+@pytest.mark.slow
 def test_oodbench_f1_per_corruption_and_split(oodbench_data, tmp_path):
     data_dir, name = oodbench_data
     out = tmp_path / "run"

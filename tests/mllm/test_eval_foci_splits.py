@@ -60,6 +60,7 @@ def expected_splits(data_dir) -> dict[str, dict[str, list[bool]]]:
     return out
 
 
+@pytest.mark.slow
 def test_one_run_scores_every_half_and_region(data_dir, tmp_path):
     def respond(body, attempt):
         return 200, {}, completion(reply(prompt_text(body), image_parts(body)[0]))

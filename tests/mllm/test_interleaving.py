@@ -324,6 +324,7 @@ def _hoisted(parts):
     return _digest(images + [_part_key(p) for p in parts if p["type"] == "text"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "reply_of, keeps, says",
     [

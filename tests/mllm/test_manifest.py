@@ -273,6 +273,7 @@ class Reworded(Letters):
             yield item
 
 
+@pytest.mark.slow
 def test_the_items_digest_differs_exactly_when_compare_refuses(tmp_path):
     def run(benchmark, name: str, model: str) -> str:
         with ChatServer(chat) as server:
@@ -436,6 +437,7 @@ def tiny_config(data_dir: pathlib.Path):
     return config
 
 
+@pytest.mark.slow
 def test_training_and_evaluation_manifests(tmp_path):
     from ood_jax.detection import compare as detection_compare
     from ood_jax.train import train

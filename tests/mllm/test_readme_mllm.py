@@ -9,8 +9,13 @@ import shlex
 import subprocess
 import sys
 
+import pytest
+
 from ood_jax import cli
 from ood_jax.eval import store
+
+# Trains, launches processes or starts servers: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
 
 GUIDE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "guide" / "mllm.md"
 MARKER = "(`tests/mllm/test_readme_mllm.py` runs exactly these lines.)"

@@ -42,6 +42,9 @@ from ood_jax.eval import probe as endpoint_probe
 from ood_jax.eval.clients import ImageInput, Request
 from ood_jax.testing import tiny_vlms
 
+# Trains, launches processes or starts servers: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 _MISSING = [m for m in ("fastapi", "uvicorn", "openai") if importlib.util.find_spec(m) is None]

@@ -68,6 +68,7 @@ def snapshot(directory) -> dict:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
 
+@pytest.mark.slow
 def test_rescore_equals_a_fresh_run_under_each_mode_and_sends_nothing(foci, tmp_path):
     with ChatServer(shaped) as server:
         run = eval_foci(server.url, foci, tmp_path / "run")

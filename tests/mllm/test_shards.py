@@ -127,6 +127,7 @@ def test_a_part_has_no_limit():
         runner.RunOptions(limit=5, shard=shards.Shard(0, 2))
 
 
+@pytest.mark.slow
 def test_the_command_splits_and_merges_as_one_run(foci_data, compile_cache, tmp_path):  # noqa: F811
     def reply(body, attempt):
         return 200, {}, completion(foci_reply(prompt_text(body)))

@@ -241,6 +241,7 @@ def test_leading_batch_dims():
     close(np.asarray(elem), np.diagonal(ref_giou[..., :5], axis1=-2, axis2=-1))
 
 
+@pytest.mark.slow
 def test_jit_and_vmap_match_eager():
     rng = np.random.default_rng(5)
     a, b = (jnp.asarray(random_xyxy(rng, (4, 6)), jnp.float32) for _ in range(2))

@@ -19,6 +19,7 @@ def _value_and_grads(fn, x, w, probe):
     return fn(x, w), jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kernel, stride, dilation, padding, size",
     [
@@ -106,6 +107,7 @@ def test_other_convolutions_fall_back_to_lax(kwargs):
     )
 
 
+@pytest.mark.slow
 def test_resnet_gradients_match_lax_convolutions_and_frozen_stages_get_none(monkeypatch):
     images = jnp.asarray(np.random.default_rng(2).standard_normal((2, 64, 64, 3)), jnp.float32)
     ours = resnet.build("resnet18", norm="frozen", dilation=True)

@@ -57,6 +57,7 @@ def _grads(op, value, locations, weights, cotangent):
     return jax.grad(loss, argnums=(0, 1, 2))(value, locations, weights)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", [False, True])
 def test_op_matches_torch_values_and_gradients(remat: bool) -> None:
     value, locations, weights = _op_inputs()
@@ -76,6 +77,7 @@ def test_op_matches_torch_values_and_gradients(remat: bool) -> None:
         np.testing.assert_allclose(ours, theirs.grad.numpy(), atol=1e-5 * scale, err_msg=name)
 
 
+@pytest.mark.slow
 def test_op_matches_map_coordinates_reference() -> None:
     value, locations, weights = _op_inputs(seed=3)
     cotangent = _loss_weights(seed=4)
@@ -229,6 +231,7 @@ def _padded_op_inputs(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return value, locations, weights
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("query_chunk", [2, 5, 2048])
 def test_recomputed_backward_matches_autodiff(query_chunk: int) -> None:
     """`remat=True`'s custom VJP (only the inputs saved, the gather recomputed, `query_chunk`

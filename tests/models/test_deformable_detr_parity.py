@@ -117,6 +117,7 @@ def _hf_model(kwargs: dict, seed: int = 1) -> "transformers.DeformableDetrForObj
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_deformable_detr_matches_transformers(case: str, tmp_path) -> None:
     file_format, kwargs = CASES[case]

@@ -69,6 +69,7 @@ def dino_blocked_attention(single_pad: int, dn_number: int, num_queries: int) ->
     return blocked
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_slots,num_dn,groups", [(7, 100, 7), (60, 100, 1), (3, 0, 1)])
 def test_shapes_and_layout_fixed_for_any_target_count(
     num_slots: int, num_dn: int, groups: int

@@ -122,6 +122,7 @@ DETR_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(DETR_CASES))
 def test_detr_matches_transformers(case: str, tmp_path) -> None:
     file_format, kwargs = DETR_CASES[case]
@@ -163,6 +164,7 @@ def test_detr_matches_transformers(case: str, tmp_path) -> None:
     assert max(diffs.values()) < ATOL, diffs
 
 
+@pytest.mark.slow
 def test_detr_pixel_mask_and_bfloat16() -> None:
     module = detr.DETR(
         num_classes=3,
@@ -193,6 +195,7 @@ def test_detr_pixel_mask_and_bfloat16() -> None:
     assert np.abs(low["boxes"] - masked["boxes"]).max() < 0.05
 
 
+@pytest.mark.slow
 def test_query_groups_train_alone_and_infer_with_the_first() -> None:
     module = detr.DETR(
         num_classes=3,
@@ -245,6 +248,7 @@ def _random_torchvision(arch: str, dilation: bool = False) -> torch.nn.Module:
     return model.eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "arch,norm,dilation",
     [
@@ -273,6 +277,7 @@ def test_resnet_matches_torchvision(arch: str, norm: str, dilation: bool) -> Non
         assert diff < ATOL, (name, diff)
 
 
+@pytest.mark.slow
 def test_resnet_batchnorm_train_mode_matches_torchvision() -> None:
     model = _random_torchvision("resnet18")
     flax_model = resnet.build("resnet18", norm="batch")

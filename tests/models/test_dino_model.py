@@ -112,6 +112,7 @@ def _max_diff(a, b) -> float:
     )
 
 
+@pytest.mark.slow
 def test_denoising_queries_are_invisible_to_matching_queries(tiny) -> None:
     module, variables, images, mask, denoise, apply, capture = tiny
     plain, _ = capture(variables, images, mask)
@@ -173,6 +174,7 @@ def test_queries_are_the_top_k_real_encoder_proposals(tiny) -> None:
     assert boxes.shape == (2, NUM_QUERIES, 4) and ((boxes > 0) & (boxes < 1)).all()
 
 
+@pytest.mark.slow
 def test_look_forward_twice_and_detached_anchors(tiny) -> None:
     module, variables, images, mask, _, _, _ = tiny
     heads = ("bbox_embed_0", "bbox_embed_1", "enc_bbox_embed")
@@ -332,6 +334,7 @@ def _official_state(
     return state
 
 
+@pytest.mark.slow
 def test_official_dino_4scale_checkpoint_layout_converts() -> None:
     state = _official_state()
     module, variables = convert_deformable.dino_from_official(state)
@@ -437,6 +440,7 @@ class _OfficialEncoderLayer(torch.nn.Module):
         return self.norm2(src + self.linear2(torch.relu(self.linear1(src))))
 
 
+@pytest.mark.slow
 def test_official_layers_match_their_pytorch_definition() -> None:
     dim, heads, points, ffn, levels, queries = 32, 4, 2, 64, 4, 7
     shapes = ((5, 6), (3, 3), (2, 2), (1, 1))

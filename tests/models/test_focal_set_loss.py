@@ -133,6 +133,7 @@ def test_matching_cost_and_assignment_equal_transformers(monkeypatch) -> None:
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "num_real,num_queries,num_slots",
     # The first case has the shapes of the end-to-end test below (one compilation for both); the
@@ -149,6 +150,7 @@ def test_loss_equals_transformers(num_real: list[int], num_queries: int, num_slo
     assert_terms_equal(metrics, ref_terms)
 
 
+@pytest.mark.slow
 def test_encoder_terms_equal_transformers() -> None:
     # DINO: proposals are supervised with the real classes. As many proposals as queries, so the
     # encoder is matched in one vmap with the decoder layers.
@@ -161,6 +163,7 @@ def test_encoder_terms_equal_transformers() -> None:
     assert_terms_equal(metrics, dec_terms)
 
 
+@pytest.mark.slow
 def test_class_agnostic_encoder_terms_equal_transformers() -> None:
     # Deformable DETR: every class collapsed to class 0; fewer proposals than queries this time.
     outputs, targets = make_batch(5, [2, 0, 6], 20, 8, num_aux=1)
@@ -334,6 +337,7 @@ def loss_and_grad(outputs: dict, targets: dict, dn: dict) -> tuple:
     return jax.value_and_grad(loss)(outputs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_real", [[0, 3, 5, 1], [0, 0, 0, 0]])
 def test_gradients_finite(num_real: list[int]) -> None:
     outputs, targets, dn = denoising_batch(10, num_real)

@@ -23,6 +23,7 @@ def random_mask(rng: np.random.Generator, num_slots: int, num_real: int) -> np.n
     return mask
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_queries,num_slots", [(20, 8), (8, 8), (5, 8)])
 def test_matching_total_cost_equals_scipy(num_queries: int, num_slots: int) -> None:
     rng = np.random.default_rng(num_queries)
@@ -108,6 +109,7 @@ def transformers_loss(outputs: dict, targets: dict) -> tuple[float, dict[str, fl
     return float(loss), {k: float(v) for k, v in loss_dict.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "num_real,num_queries,num_slots",
     [([0, 3, 8, 5], 20, 8), ([1, 2], 8, 8), ([6, 2, 0], 4, 8)],

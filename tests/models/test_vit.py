@@ -35,6 +35,7 @@ def small_timm(**kwargs) -> VisionTransformer:
     return perturbed(VisionTransformer(**{**defaults, **kwargs}))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("height,width", [(224, 224), (256, 320)])
 def test_parity_with_timm(timm_tiny: torch.nn.Module, height: int, width: int) -> None:
     module, variables = vit_from_timm(timm_tiny.state_dict())

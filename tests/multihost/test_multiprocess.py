@@ -4,8 +4,8 @@ as a SLURM or TPU-pod job runs them:
 * 2 processes x 2 devices pretrain the backbone, train DETR's smoke config, checkpoint and
   evaluate; a 1-process `ood-jax evaluate` of the same checkpoint writes the same results.json
   and matches.npz, and a 1-process `ood-jax export` reads the checkpoint they wrote together;
-  `evaluate --corrupted` writes the same summaries from 2 processes as from 1; DINO trained
-  and evaluated by 2 processes gets the results 1 process gets from its checkpoint;
+  `evaluate --corrupted` writes the same summaries from 2 processes as from 1 (DINO:
+  test_multiprocess_dino.py);
 * 1 process x 4 devices trains on the same examples at each step: the same first losses;
 * a process killed with SIGKILL is named by the other, which stops; SIGTERM to every process
   (a preemption) saves the same step on each; the reruns resume and end where the
@@ -34,6 +34,9 @@ import tensorflow as tf
 
 from ood_jax import datasets, multihost
 from ood_jax.train import selection, train
+
+# Trains, launches processes or starts servers: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = f"--config={REPO / 'configs' / 'synthetic_detr.py'}:smoke"
@@ -204,31 +207,6 @@ def test_corrupted_evaluation_as_one_process(two_by_two, data_dir, compile_cache
         written = sorted((workdir / "corruptions").glob("*.json"))
         summaries[processes] = {p.name: json.loads(p.read_text()) for p in written}
     assert summaries[2] and summaries[2] == summaries[1]
-
-
-def test_dino_evaluates_as_one_process(two_by_two, data_dir, compile_cache, tmp_path):
-    workdir = tmp_path / "dino"
-    workdir.mkdir()
-    shutil.copy(two_by_two["workdir"] / train.PRETRAINED_BACKBONE, workdir)
-    args = train_args(workdir, data_dir)
-    args[1] = f"--config={REPO / 'configs' / 'synthetic_dino.py'}:smoke"
-    run(launch_command([*args, "--config.total_steps=2"]), environ(compile_cache))
-    assert checkpoint_steps(workdir) == [1, 2]
-
-    evaluated = tmp_path / "evaluated"
-    shutil.copytree(workdir, evaluated)
-    (evaluated / "results.json").unlink()
-    (evaluated / "matches.npz").unlink()
-    evaluate = ["evaluate", *train_args(evaluated, data_dir)[1:]]
-    evaluate[1] = args[1]
-    run([sys.executable, "-m", "ood_jax", *evaluate], environ(compile_cache, devices=4))
-    assert json.loads((evaluated / "results.json").read_text()) == json.loads(
-        (workdir / "results.json").read_text()
-    )
-    ones, twos = np.load(evaluated / "matches.npz"), np.load(workdir / "matches.npz")
-    assert ones.files == twos.files
-    for name in twos.files:
-        np.testing.assert_array_equal(ones[name], twos[name], err_msg=name)
 
 
 # ------------------------------------------------------------------------------------------------

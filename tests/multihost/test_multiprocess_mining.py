@@ -26,6 +26,9 @@ from test_scorers import IMAGE_SIZE, clip_config, save_clip
 
 from ood_jax import datasets
 
+# Trains, launches processes or starts servers: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 BATCH = 8  # 2 rows per device; the FOCI source's 20 images make 3 batches, the last padded
 FOLDERS = {"c0": "snow leopard", "c1": "lynx", "c2": "ocelot", "c3": "serval", "c4": "puma"}
 

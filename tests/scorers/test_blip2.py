@@ -151,6 +151,7 @@ def method(module, name: str):
     return jax.jit(functools.partial(module.apply, method=getattr(module, name)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_itc_matches_transformers(name, checkpoints, converted) -> None:
     _, model = checkpoints[name]
@@ -176,6 +177,7 @@ def test_itc_matches_transformers(name, checkpoints, converted) -> None:
     assert max_diff(alone[0], text[2]) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_itm_matches_transformers(name, checkpoints, converted) -> None:
     _, model = checkpoints[name]
@@ -191,6 +193,7 @@ def test_itm_matches_transformers(name, checkpoints, converted) -> None:
     assert max_diff(logits, expected["itm_logits"]) < ATOL
 
 
+@pytest.mark.slow
 def test_bfloat16_image_encoder(checkpoints, converted) -> None:
     path, _ = checkpoints["every_other_layer"]
     _, module, variables, _ = converted["every_other_layer"]
@@ -376,6 +379,7 @@ def blip2_scorer(checkpoints):
     return scorers.from_hf(path, batch_size=2), model
 
 
+@pytest.mark.slow
 def test_scorer_embeds_and_matches_as_transformers(blip2_scorer) -> None:
     scorer, model = blip2_scorer
     assert scorer.kind == "blip2" and scorer.logit_scale is None  # transformers drops the temp
@@ -418,6 +422,7 @@ def test_scorer_from_lavis_keeps_the_temperature(tmp_path, blip2_scorer) -> None
     assert max_diff(from_lavis.encode_texts(texts), scorer.encode_texts(texts)) < 1e-6
 
 
+@pytest.mark.slow
 def test_scorer_batch_sharded_over_a_mesh(blip2_scorer) -> None:
     from test_scorers import check_sharded_over_a_mesh
 

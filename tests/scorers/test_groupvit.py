@@ -142,6 +142,7 @@ def max_diff(a, b) -> float:
     return float(np.abs(np.asarray(a) - np.asarray(b)).max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_matches_transformers(name, checkpoints) -> None:
     path, model = checkpoints[name]
@@ -182,6 +183,7 @@ def test_hard_assignment_is_transformers_hard_softmax() -> None:
     assert max_diff(vjp(jnp.asarray(cotangent))[0], theirs.grad.numpy()) < 1e-6
 
 
+@pytest.mark.slow
 def test_a_scorer_over_the_module(checkpoints) -> None:
     path, model = checkpoints["three_stages"]
     _, module, variables, _ = convert_groupvit.groupvit_from_hf(path)
@@ -200,6 +202,7 @@ def test_a_scorer_over_the_module(checkpoints) -> None:
     assert max_diff(s.encode_images(images), expected["image_embeds"]) < ATOL
 
 
+@pytest.mark.slow
 def test_batch_sharded_over_a_mesh(checkpoints) -> None:
     # The grouping stages' token mixing and hard assignment stay per image under a data mesh.
     check_sharded_over_a_mesh(checkpoints["three_stages"][0], vocab_size=99)
@@ -219,6 +222,7 @@ def test_preprocessing_is_the_saved_clip_image_processor(checkpoints) -> None:
     assert defaults == preprocess.preprocessing_from_config({}, "clip", IMAGE_SIZE)
 
 
+@pytest.mark.slow
 def test_bfloat16_compute(checkpoints) -> None:
     path, _ = checkpoints["three_stages"]
     _, module, variables, _ = convert_groupvit.groupvit_from_hf(path)

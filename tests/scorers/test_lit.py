@@ -433,6 +433,7 @@ def _forward_matches(module, variables, tree, arch, ids) -> None:
 # --------------------------------------------------------------------------- tests
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SPM_ARCHS)
 def test_matches_the_reference_forward(name, checkpoints) -> None:
     path, tree = checkpoints[name]
@@ -733,6 +734,7 @@ def test_bert_vocabulary_without_cls(tmp_path) -> None:
 # --------------------------------------------------------------------------- the scorer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["l16s", "b16b_bert"])
 def test_a_scorer_over_a_lit_directory(name, checkpoints) -> None:
     from ood_jax import scorers
@@ -756,6 +758,7 @@ def test_a_scorer_over_a_lit_directory(name, checkpoints) -> None:
     assert cosine.min() > 0.99
 
 
+@pytest.mark.slow
 def test_a_lit_scorer_batch_sharded_over_a_mesh(checkpoints) -> None:
     from test_scorers import check_sharded_over_a_mesh
 

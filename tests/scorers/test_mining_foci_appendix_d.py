@@ -151,6 +151,7 @@ def _splits(data_dir: pathlib.Path, config: str) -> dict[str, dict[str, dict]]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(SETS))
 def test_mined_appendix_d_set_matches_transformers_and_builds(case, clip, tmp_path):
     config = case.split()[0]

@@ -97,6 +97,7 @@ def _test_label(item: dict) -> str:
     return item["options"][item["answer"]] if item["task"] == "grounding" else item["category"]
 
 
+@pytest.mark.slow
 def test_items_follow_the_schema(mined):
     for name, (task, setting, ice, count) in RUNS.items():
         items = _items(mined, name)

@@ -32,6 +32,9 @@ from test_scorers import IMAGE_SIZE, clip_config, perturbed, save_clip
 
 from ood_jax.mining import jobs
 
+# Trains, launches processes or starts servers: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 
 CATEGORIES = {1: "cat", 2: "dog", 3: "traffic_light", 4: "zebra", 5: "person", 6: "kite"}
 NAMES = {name: category_id for category_id, name in CATEGORIES.items()}

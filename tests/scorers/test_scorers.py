@@ -155,6 +155,7 @@ def normalized(x: np.ndarray) -> np.ndarray:
     return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["clip", "siglip"])
 def test_features_match_transformers(kind, checkpoints, loaded) -> None:
     _, model = checkpoints[kind]
@@ -176,6 +177,7 @@ def test_features_match_transformers(kind, checkpoints, loaded) -> None:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["clip", "siglip"])
 def test_logits_match_transformers(kind, checkpoints, loaded) -> None:
     _, model = checkpoints[kind]
@@ -393,6 +395,7 @@ def check_sharded_over_a_mesh(path, vocab_size: int) -> None:
     assert result.stdout.strip().endswith("ok")
 
 
+@pytest.mark.slow
 def test_batch_sharded_over_a_mesh(checkpoints) -> None:
     check_sharded_over_a_mesh(checkpoints["clip"][0], vocab_size=100)
 

@@ -111,6 +111,7 @@ def check_split(entry: dict, want: tuple[float, float]) -> None:
     assert entry["four_way_ci"] == pytest.approx(interval(round(want[1] * n), n))
 
 
+@pytest.mark.slow
 def test_zero_shot_per_corruption(data, tmp_path):
     data_dir, name, clip_dir, model = data
     classes = sorted(c.replace("_", " ") for c in RAW)

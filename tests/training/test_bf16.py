@@ -30,6 +30,9 @@ from ood_jax.data import pipeline
 from ood_jax.models import exported, focal_set_loss, load_exported, registry, set_loss
 from ood_jax.train import config_checks, resume, train
 
+# Trains, launches processes or starts servers: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 6
 # Relative difference allowed between the two runs' losses at each step. bfloat16 keeps 8

@@ -32,6 +32,9 @@ from ood_jax import cli, datasets
 from ood_jax.detection import evaluation
 from ood_jax.train import checkpoint, config_checks, resume, train
 
+# Trains, launches processes or starts servers: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG_FILE = REPO / "configs" / "synthetic_detr.py"
 STEPS = 4

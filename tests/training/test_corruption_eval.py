@@ -24,6 +24,9 @@ from ood_jax.detection import corruption_eval, evaluation
 from ood_jax.metrics import robustness
 from ood_jax.train import evaluate_corrupted, resume, train
 
+# Trains, launches processes or starts servers: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG_FILE = REPO / "configs" / "synthetic_detr.py"
 CORRUPTIONS = ("gaussian_noise", "contrast")

@@ -34,6 +34,9 @@ from ood_jax.data import pipeline
 from ood_jax.models import load_exported
 from ood_jax.train import config_checks, export, optim, resume, train
 
+# Trains, launches processes or starts servers: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG_FILE = REPO / "configs" / "synthetic_detr.py"
 STEPS = 4

@@ -31,6 +31,9 @@ from ood_jax.models import EXPORT_FORMAT_VERSION, load_exported, registry
 from ood_jax.train import checkpoint, train
 from ood_jax.train import export as export_lib
 
+# Trains, launches processes or starts servers: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG_FILE = REPO / "configs" / "synthetic_detr.py"
 TRAINING_STACK = ("optax", "orbax", "tensorflow", "tensorflow_datasets", "clu")

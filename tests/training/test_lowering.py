@@ -28,6 +28,9 @@ from jax import export
 from ood_jax import config_files, sharding
 from ood_jax.train import train
 
+# Trains, launches processes or starts servers: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 ACCELERATORS = ("cuda", "tpu")
 FAMILIES = ("detr", "deformable_detr", "dino")

@@ -112,6 +112,7 @@ def test_restarted_process_reuses_freed_pages():
     assert default["default_environ"] == env
 
 
+@pytest.mark.slow
 def test_entry_point_restarts(tmp_path):
     """`ood-jax` itself runs under the tunables (checked through the child's environment)."""
     script = tmp_path / "show.py"

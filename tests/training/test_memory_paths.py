@@ -11,6 +11,9 @@ import jax.numpy as jnp
 
 from ood_jax.models import deformable_detr, denoising, dino, resnet
 
+# Trains, launches processes or starts servers: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 TINY_RESNET = resnet.ResNet(
     stage_sizes=(1, 1, 1, 1), block="basic", planes=(8, 16, 32, 64), stem_width=8, norm="frozen"
 )

@@ -57,6 +57,7 @@ def _state(model_config):
     return state, sharding.tree_shardings(state, mesh, [(".*", "replicate")])
 
 
+@pytest.mark.slow
 def test_torchvision_weights_replace_the_backbone(tmp_path):
     torch.manual_seed(0)
     reference = torchvision.models.resnet18()

@@ -29,6 +29,9 @@ from ood_jax.metrics import coco
 from ood_jax.testing import coco_cases
 from ood_jax.train import config_checks, selection, sweep, train
 
+# Trains, launches processes or starts servers: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG_FILE = REPO / "configs" / "synthetic_detr.py"
 SEEDS = (0, 1)

@@ -39,6 +39,9 @@ from ood_jax.data import counts, pipeline
 from ood_jax.metrics import coco
 from ood_jax.train import train
 
+# Trains, launches processes or starts servers: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG_FILE = REPO / "configs" / "synthetic_detr.py"
 CONFIG_FLAG = f"--config={CONFIG_FILE}:smoke"
