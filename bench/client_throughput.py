@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Benchmark: requests/s of the MLLM harness's HTTP client against a loopback server, this
-checkout's `OpenAIChatClient` next to a baseline version of ood_jax/eval/clients.py.
+checkout's `OpenAIChatClient` next to a baseline version of it (ood_jax/eval/http_client.py, or
+clients.py in revisions from before the client had a module of its own).
 
 The server answers every POST with a fixed chat completion (HTTP/1.1, keep-alive), at once or
 after `--reply-ms`, in a process of its own, so what is timed is the client: encoding, the HTTP
@@ -12,7 +13,7 @@ does with --concurrency; the baseline's rounds and ours alternate, `--rounds` of
     python bench/client_throughput.py [--baseline HEAD|REV|FILE] [--concurrency 32]
         [--requests 2000] [--rounds 5] [--warmup 1] [--reply-ms 0]
 
-`--baseline`: a git revision of this repository (its ood_jax/eval/clients.py) or a file.
+`--baseline`: a git revision of this repository or a file holding the client.
 The last line is one JSON object: both rates and their ratio (ours / baseline).
 """
 
@@ -35,7 +36,7 @@ sys.path.insert(0, REPO)
 
 import common  # noqa: E402  (bench/, the directory of this script)
 
-from ood_jax.eval import clients  # noqa: E402
+from ood_jax.eval import http_client  # noqa: E402
 
 REPLY = "B"
 _BODY = json.dumps(
@@ -50,7 +51,7 @@ _RESPONSE = (
 
 def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--baseline", default="HEAD", help="a git revision or a clients.py file")
+    parser.add_argument("--baseline", default="HEAD", help="a git revision or a client's file")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--requests", type=int, default=2000, help="requests per round")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds of each client")
@@ -109,20 +110,22 @@ def _start_server(reply_ms: float) -> tuple[subprocess.Popen, str]:
 
 
 def _baseline_module(source: str):
-    """ood_jax/eval/clients.py as of `source` (a file, or a git revision), as a module."""
+    """The client's module as of `source` (a file, or a git revision), as a module."""
     if os.path.isfile(source):
-        return _load("baseline_clients", source)
-    shown = subprocess.run(
-        ["git", "show", f"{source}:ood_jax/eval/clients.py"],
-        cwd=REPO, capture_output=True, text=True,
-    )  # fmt: skip
-    if shown.returncode:
-        raise SystemExit(f"--baseline {source}: {shown.stderr.strip()}")
+        return _load("baseline_client", source)
+    for path in ("ood_jax/eval/http_client.py", "ood_jax/eval/clients.py"):
+        shown = subprocess.run(
+            ["git", "show", f"{source}:{path}"], cwd=REPO, capture_output=True, text=True
+        )
+        if shown.returncode == 0 and "class OpenAIChatClient" in shown.stdout:
+            break
+    else:
+        raise SystemExit(f"--baseline {source}: no OpenAIChatClient there ({shown.stderr.strip()})")
     with tempfile.TemporaryDirectory() as directory:
-        path = os.path.join(directory, "clients.py")
+        path = os.path.join(directory, "baseline_client.py")
         with open(path, "w") as f:
             f.write(shown.stdout)
-        return _load("baseline_clients", path)
+        return _load("baseline_client", path)
 
 
 def _load(name: str, path: str):
@@ -166,7 +169,7 @@ def main() -> None:
             times = common.time_alternating(
                 {
                     "baseline": _round(baseline, url, pool, args),
-                    "ours": _round(clients, url, pool, args),
+                    "ours": _round(http_client, url, pool, args),
                 },
                 args.rounds,
                 args.warmup,

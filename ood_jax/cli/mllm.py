@@ -10,8 +10,8 @@ import math
 import sys
 
 from ood_jax.cli import help_text
-from ood_jax.eval import accounting, clients, clip_baseline, interleaving, job, judge, rescore
-from ood_jax.eval import scheduling, shards, store, tasks
+from ood_jax.eval import accounting, clients, clip_baseline, http_client, interleaving, job
+from ood_jax.eval import judge, rescore, scheduling, shards, store, tasks
 
 EXIT_INCOMPLETE = 3
 EXIT_STOPPED = 4
@@ -417,7 +417,7 @@ def _extra_body(value: str | None) -> dict | None:
     except json.JSONDecodeError as e:
         raise _fail(f"--extra-body is not JSON ({e.msg} at character {e.pos}): {value!r}") from None
     try:
-        return clients.check_extra_body(body)
+        return http_client.check_extra_body(body)
     except ValueError as e:
         raise _fail(str(e)) from None
 

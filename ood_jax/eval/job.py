@@ -13,8 +13,8 @@ from typing import Union
 import jax
 
 from ood_jax import multihost
-from ood_jax.eval import accounting, clients, interleaving, judge, probe, replicas, runner
-from ood_jax.eval import clip_baseline, scheduling, shards, tasks
+from ood_jax.eval import accounting, clients, clip_baseline, http_client, interleaving, judge
+from ood_jax.eval import local_client, probe, replicas, runner, scheduling, shards, tasks
 from ood_jax.eval.tasks import corrupted, foci, oodbench
 from ood_jax.metrics import robustness
 
@@ -54,7 +54,7 @@ class EndpointOptions:
 
     `max_tokens` None: the benchmark's default budget. `check_model`: the preflight GET
     {url}/models; `check_interleaving`: ood_jax.eval.probe first measures where the server
-    puts a turn's images. The rest are clients.OpenAIChatClient's options.
+    puts a turn's images. The rest are http_client.OpenAIChatClient's options.
     """
 
     urls: tuple[str, ...]
@@ -75,7 +75,7 @@ class EndpointOptions:
 
 @dataclasses.dataclass(frozen=True)
 class LocalOptions:
-    """A local transformers LVLM directory (clients.TransformersClient)."""
+    """A local transformers LVLM directory (local_client.TransformersClient)."""
 
     path: str
     max_tokens: int | None = None
@@ -275,7 +275,7 @@ def make_client(model: Model, benchmark: tasks.Benchmark, concurrency: int) -> s
     """The client of `model`: a local model, one endpoint's, or the replicas of several, each
     taking `concurrency` requests at a time; the endpoints' model checked (the preflight)."""
     if isinstance(model, LocalOptions):
-        return clients.TransformersClient(
+        return local_client.TransformersClient(
             model.path,
             max_new_tokens=model.max_tokens or benchmark.default_max_tokens,
             task=benchmark.name,
@@ -283,17 +283,17 @@ def make_client(model: Model, benchmark: tasks.Benchmark, concurrency: int) -> s
     if not isinstance(model, EndpointOptions):
         raise TypeError(f"no chat client for {type(model).__name__}")
     model = dataclasses.replace(model, max_tokens=model.max_tokens or benchmark.default_max_tokens)
-    endpoints = [http_client(model, url) for url in dict.fromkeys(model.urls)]
+    endpoints = [endpoint_client(model, url) for url in dict.fromkeys(model.urls)]
     if len(endpoints) == 1:
         return endpoints[0]
     return replicas.Replicas(endpoints, concurrency)
 
 
-def http_client(options: EndpointOptions, url: str) -> clients.OpenAIChatClient:
+def endpoint_client(options: EndpointOptions, url: str) -> http_client.OpenAIChatClient:
     """The client of one endpoint, its model checked unless `check_model` is off."""
     budget = {} if options.max_tokens is None else {"max_tokens": options.max_tokens}
     try:
-        client = clients.OpenAIChatClient(
+        client = http_client.OpenAIChatClient(
             url,
             options.model,
             **budget,
@@ -327,7 +327,7 @@ def make_judge(job: Job, output: str) -> judge.Judge | None:
     options = job.reading.judge
     if options is None:
         return None
-    client = http_client(options, options.urls[0])
+    client = endpoint_client(options, options.urls[0])
     return judge.Judge(client, output, concurrency=job.schedule.concurrency)
 
 

@@ -8,7 +8,7 @@ import dataclasses
 
 import numpy as np
 
-from ood_jax.eval import clients
+from ood_jax.eval import clients, http_client
 
 _TEXTS = ("Examples: this picture ", " shows (A). Final: and ", " shows?")
 
@@ -74,7 +74,7 @@ def _root(endpoint: str) -> str:
     return endpoint[: -len("/v1")] if endpoint.endswith("/v1") else endpoint
 
 
-def _by_tokenize(root: clients.OpenAIChatClient, model: str, turns: dict) -> Probe | str:
+def _by_tokenize(root: http_client.OpenAIChatClient, model: str, turns: dict) -> Probe | str:
     """Exact: the server's own tokenization of each turn. Where the server cannot answer so,
     the reason, for the inferred answer to say."""
     url = root.endpoint + "/tokenize"
@@ -96,7 +96,7 @@ def _by_tokenize(root: clients.OpenAIChatClient, model: str, turns: dict) -> Pro
 
 
 def _completion(
-    client: clients.OpenAIChatClient, model: str, parts: list[dict], max_tokens: int
+    client: http_client.OpenAIChatClient, model: str, parts: list[dict], max_tokens: int
 ) -> dict | str:
     """{reply, prompt_tokens} of one greedy completion, or what went wrong."""
     body = {
@@ -119,7 +119,7 @@ def _completion(
 
 
 def _by_replies(
-    client: clients.OpenAIChatClient, model: str, turns: dict, max_tokens: int, no_tokenize: str
+    client: http_client.OpenAIChatClient, model: str, turns: dict, max_tokens: int, no_tokenize: str
 ) -> Probe:
     """Inferred from greedy replies (and prompt token counts, where the server reports usage).
     `no_tokenize` says why the exact way was not available."""
@@ -172,8 +172,8 @@ def probe_endpoint(
     neither the server's tokenization nor its replies can tell.
     """
 
-    def client_of(url: str) -> clients.OpenAIChatClient:
-        return clients.OpenAIChatClient(
+    def client_of(url: str) -> http_client.OpenAIChatClient:
+        return http_client.OpenAIChatClient(
             url, model, api_key_env=api_key_env, timeout_s=timeout_s, max_attempts=1
         )
 

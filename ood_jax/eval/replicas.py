@@ -8,7 +8,8 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from ood_jax.eval.clients import ClientError, OpenAIChatClient, Reply, Request, RunControl
+from ood_jax.eval.clients import ClientError, Reply, Request, RunControl
+from ood_jax.eval.http_client import OpenAIChatClient
 
 # Enough to tell a replica that is down from one that failed a request or two under load.
 MAX_FAILURES = 3

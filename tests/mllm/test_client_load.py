@@ -20,12 +20,12 @@ from ood_jax.eval import clients, runner, store
 from ood_jax.eval.clients import (
     AdaptiveLimit,
     ClientError,
-    OpenAIChatClient,
     Reply,
     Request,
     RetryBudget,
     RunControl,
 )
+from ood_jax.eval.http_client import OpenAIChatClient
 from ood_jax.eval.tasks.base import Benchmark, Item, answer_summary
 
 

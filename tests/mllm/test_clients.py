@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ood_jax.eval import clients, store
-from ood_jax.eval.clients import ClientError, ImageInput, OpenAIChatClient, Request
+from ood_jax.eval import local_client, store
+from ood_jax.eval.clients import ClientError, ImageInput, Request
+from ood_jax.eval.http_client import OpenAIChatClient
 
 KEY_ENV = "OOD_JAX_TEST_API_KEY"
 KEY = "sk-test-0123456789-secret"
@@ -485,7 +486,7 @@ def tiny_llava(tmp_path_factory):
     return path
 
 
-def _greedy_reference(client: clients.TransformersClient, request: Request, steps: int):
+def _greedy_reference(client: local_client.TransformersClient, request: Request, steps: int):
     """Greedy decoding written out: a full forward pass per token, argmax of the last logits."""
     import torch
 
@@ -511,7 +512,7 @@ def _greedy_reference(client: clients.TransformersClient, request: Request, step
 def test_local_client_matches_greedy_reference_with_interleaved_images(tiny_llava):
     import torch
 
-    client = clients.TransformersClient(str(tiny_llava), max_new_tokens=6)
+    client = local_client.TransformersClient(str(tiny_llava), max_new_tokens=6)
     assert client.identity()["max_new_tokens"] == 6
     images = tuple(ImageInput.from_bytes(_png(k, size=(40 + k, 30))) for k in range(2))
     requests = [
@@ -541,7 +542,7 @@ def test_local_client_matches_greedy_reference_with_interleaved_images(tiny_llav
 
 def test_local_client_needs_a_model_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such model directory"):
-        clients.TransformersClient(str(tmp_path / "missing"))
+        local_client.TransformersClient(str(tmp_path / "missing"))
 
 
 def test_local_client_through_eval_mllm(tiny_llava, tmp_path, capsys):
@@ -569,7 +570,7 @@ def test_local_client_through_eval_mllm(tiny_llava, tmp_path, capsys):
     results = args.run(args)
     assert results["client"] == "transformers" and results["max_new_tokens"] == 4
     assert results["grounding"][0]["num_items"] == 3
-    client = clients.TransformersClient(str(tiny_llava), max_new_tokens=4)
+    client = local_client.TransformersClient(str(tiny_llava), max_new_tokens=4)
     records = [json.loads(x) for x in (tmp_path / "run" / store.PREDICTIONS_FILE).open()]
     for k, record in enumerate(records):
         image = ImageInput.from_bytes((tmp_path / f"{k}.png").read_bytes())

@@ -28,7 +28,7 @@ from ood_jax.eval import store
 from ood_jax.eval import results as run_results
 from ood_jax.eval import clip_baseline, job, runner, tasks
 from ood_jax.eval.tasks.oodbench import bap_results, yes_no_results
-from ood_jax.eval.clients import OpenAIChatClient
+from ood_jax.eval.http_client import OpenAIChatClient
 
 
 def run_cli(argv: list[str]):

@@ -15,7 +15,7 @@ import threading
 import numpy as np
 import pytest
 
-from ood_jax.eval import clients, interleaving
+from ood_jax.eval import interleaving, local_client
 from ood_jax.eval import store
 from ood_jax.eval import probe as endpoint_probe
 from ood_jax.eval.clients import ImageInput, Request
@@ -138,7 +138,7 @@ def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
 def test_local_llava_reads_each_image_where_the_prompt_puts_it(models):
     import torch
 
-    client = clients.TransformersClient(models["llava"], max_new_tokens=4, task="counts-oodg")
+    client = local_client.TransformersClient(models["llava"], max_new_tokens=4, task="counts-oodg")
     assert client.identity()["images"] == "in place, chat template bypassed"
     images = _images(2)
     inputs = client.inputs(Request(ICE_PROMPT, images))
@@ -189,7 +189,7 @@ def test_eval_mllm_local_runs_a_hoisting_model_with_images_in_place(models, tmp_
     )
     results = json.loads((output / store.RESULTS_JSON).read_text())
     assert results["images"] == "in place, chat template bypassed"
-    client = clients.TransformersClient(models["llava"], max_new_tokens=4)
+    client = local_client.TransformersClient(models["llava"], max_new_tokens=4)
     for line in (output / store.PREDICTIONS_FILE).open():
         record = json.loads(line)
         assert record["reply"] == client.generate(requests[record["id"]]).text

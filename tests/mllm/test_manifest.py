@@ -21,7 +21,8 @@ from test_mining_foci import FakeScorer, _write_image
 from ood_jax import cli, datasets, manifest, prompts
 from ood_jax.cli import mllm as eval_cli
 from ood_jax.eval import compare, parsing, runner, scheduling, store, tasks
-from ood_jax.eval.clients import ClientError, OpenAIChatClient, Request
+from ood_jax.eval.clients import ClientError, Request
+from ood_jax.eval.http_client import OpenAIChatClient
 from ood_jax.eval.tasks.base import Item
 from ood_jax.mining import foci, jobs
 

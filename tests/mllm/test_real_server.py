@@ -37,7 +37,7 @@ import pytest
 from PIL import Image
 
 from ood_jax import cli, datasets, prompts
-from ood_jax.eval import clients, interleaving, runner, store, tasks
+from ood_jax.eval import http_client, interleaving, local_client, runner, store, tasks
 from ood_jax.eval import probe as endpoint_probe
 from ood_jax.eval.clients import ImageInput, Request
 from ood_jax.testing import tiny_vlms
@@ -182,7 +182,7 @@ def server(tmp_path_factory, models):
 def local(models):
     """The same models through --local's client, for the replies the server should give."""
     return {
-        name: clients.TransformersClient(path, max_new_tokens=int(MAX_TOKENS))
+        name: local_client.TransformersClient(path, max_new_tokens=int(MAX_TOKENS))
         for name, path in models.items()
     }
 
@@ -588,7 +588,7 @@ def test_timeouts_do_not_pile_work_onto_a_serial_server(server, models, tmp_path
     model = models["llava"]
     before = server.generations(model)
     with ReplyClock(server) as clock:
-        client = clients.OpenAIChatClient(
+        client = http_client.OpenAIChatClient(
             clock.url, model, max_tokens=256, timeout_s=3.5, max_attempts=3,
             backoff_base_s=0.01, clock=clock,
         )  # fmt: skip
