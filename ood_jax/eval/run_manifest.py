@@ -51,7 +51,7 @@ def _without_credentials(url: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
-# The load settings a manifest reports of the client (http_client's, local_client's), where it has them.
+# The load settings of the client (http_client's, local_client's) a manifest reports.
 _CLIENT_SETTINGS = (
     "api_key_env",
     "timeout_s",
