@@ -19,7 +19,8 @@ def _duration(seconds: float) -> str:
 
 
 class Progress:
-    """`evaluating NAME: i/N images` while a job runs, `evaluated NAME: N images in T s` at its end.
+    """`evaluating NAME: i/N images` while a job runs, `evaluated NAME: N images in T s` at its end
+    (`close`).
 
     `verbs`: the words for the job under way and done; `unit`: what is counted. On a terminal
     (`stream.isatty()`) the line is rewritten in place; elsewhere (logs, CI) a line is printed at
@@ -57,7 +58,7 @@ class Progress:
             self.last = now
             self._print(self._line(now), final=False)
 
-    def done(self) -> None:
+    def close(self) -> None:
         """The last line (once, however often it is called)."""
         if self.closed:
             return
@@ -66,8 +67,6 @@ class Progress:
             elapsed = self.clock() - self.started
             line = f"{self.verbs[1]} {self.name}: {self.count} {self.unit}s in {elapsed:.1f} s"
             self._print(line + self._fields(), final=True)
-
-    close = done
 
     def _line(self, now: float) -> str:
         count = f"{self.count}/{self.total}" if self.total is not None else str(self.count)

@@ -92,7 +92,7 @@ def evaluate_split(
     With a `name`, process 0 says how far it is ("evaluating sky: 120/400 images").
     """
     ground_truth = ground_truth or coco_ground_truth(builder, split)
-    bar = _Progress(name, len(ground_truth.image_ids)) if name else None
+    bar = SplitProgress(name, len(ground_truth.image_ids)) if name else None
     image_ids, boxes, scores, labels = [], [], [], []
     rows = sharding.process_rows(data_sharding, input_config.batch_size)
     batches = sharding.start_global(
@@ -120,7 +120,7 @@ def evaluate_split(
         if bar:
             bar.update(int(keep.sum()))
     if bar:
-        bar.done()
+        bar.close()
     boxes = np.concatenate(boxes).astype(np.float64)
     # Degenerate predicted boxes cannot be COCO detections; give them a sliver of size rather
     # than drop them, so every query still counts against precision.
@@ -134,7 +134,7 @@ def evaluate_split(
     )
 
 
-class _Progress(progress.Progress):
+class SplitProgress(progress.Progress):
     """`evaluating NAME: i/N images` on stdout, from process 0, while a split is evaluated, and
     one line when it is done (no rate: the first batch's compilation would skew it; it
     announces itself, `train.CompiledOnFirstCall`)."""

@@ -324,10 +324,10 @@ def test_compiling_and_evaluating_say_what_they_do(run):
 
 def test_long_evaluations_report_how_far_they_are(capsys):
     ticks = iter(range(0, 1000, 4))  # 4 s per batch
-    progress = evaluation._Progress("sky", 40, every_s=10.0, clock=lambda: float(next(ticks)))
+    progress = evaluation.SplitProgress("sky", 40, every_s=10.0, clock=lambda: float(next(ticks)))
     for _ in range(5):
         progress.update(8)
-    progress.done()
+    progress.close()
     assert capsys.readouterr().out.splitlines() == [
         "evaluating sky: 24/40 images",  # 12 s after the start
         "evaluated sky: 40 images in 24.0 s",
