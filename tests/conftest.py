@@ -15,6 +15,7 @@ import timm  # noqa: E402, F401
 import torchvision  # noqa: E402, F401
 
 import contextlib  # noqa: E402
+import os  # noqa: E402
 import shutil  # noqa: E402
 import warnings  # noqa: E402
 
@@ -22,20 +23,45 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 
+# One persistent compilation cache for the whole run, shared by pytest-xdist's workers and the
+# processes tests start: most training modules compile the same smoke steps. The cache's file lock
+# (JAX takes it only when the cache has a size limit) keeps one process from reading an entry
+# another is still writing.
+COMPILE_CACHE_DIR = "xla_cache"
+COMPILE_CACHE_SETTINGS = {
+    "jax_persistent_cache_min_compile_time_secs": 0.0,
+    "jax_compilation_cache_max_size": 16 << 30,
+}
+
+
+def shared_compile_cache(tmp_path_factory) -> pathlib.Path:
+    base = tmp_path_factory.getbasetemp()
+    # Each xdist worker's basetemp is a folder of the run's own.
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    path = root / COMPILE_CACHE_DIR
+    path.mkdir(exist_ok=True)
+    return path
+
+
 @pytest.fixture(scope="module")
 def compile_cache(tmp_path_factory):
-    """A persistent compilation cache for one module's training runs (in-process and child
-    processes), so each step compiles once per module."""
-    path = str(tmp_path_factory.mktemp("xla_cache"))
-    saved = {
-        name: getattr(jax.config, name)
-        for name in ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    }
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    yield path
-    for name, value in saved.items():
+    """The run's persistent compilation cache, on for one module's training runs, in this process
+    and (through the environment) in the processes its tests start."""
+    path = str(shared_compile_cache(tmp_path_factory))
+    settings = {"jax_compilation_cache_dir": path, **COMPILE_CACHE_SETTINGS}
+    saved_config = {name: getattr(jax.config, name) for name in settings}
+    saved_environ = {name.upper(): os.environ.get(name.upper()) for name in settings}
+    for name, value in settings.items():
         jax.config.update(name, value)
+        os.environ[name.upper()] = str(value)
+    yield path
+    for name, value in saved_config.items():
+        jax.config.update(name, value)
+    for name, value in saved_environ.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     with contextlib.suppress(Exception):  # private API; only matters to later test modules
         from jax._src import compilation_cache
 
@@ -53,6 +79,8 @@ def module_temp_dirs_removed(request, tmp_path_factory):
     yield
     if request.session.testsfailed == failed_before:
         for path in set(base.iterdir()) - before:
+            if path.name == COMPILE_CACHE_DIR:  # the run's, not the module's
+                continue
             if path.is_symlink():  # pytest's NAMEcurrent link to a test's directory
                 path.unlink()
             else:

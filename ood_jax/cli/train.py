@@ -35,6 +35,7 @@ _EXAMPLES = {
         "ood-jax sweep --config=configs/synthetic_detr.py:smoke --workdir=/tmp/sweep "
         "--seeds=2 --config.total_steps=4 --config.eval_every=2",
         "ood-jax sweep --workdir=/tmp/sweep --aggregate-only",
+        "ood-jax sweep --workdir=/tmp/sweep --aggregate-only --conventions=domainbed",
     ],
 }
 
@@ -98,6 +99,16 @@ def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
             action="store_true",
             help="only aggregate the jobs' evaluations into WORKDIR/results.json and "
             "results.md (no --config needed)",
+        )
+        parser.add_argument(
+            "--conventions",
+            choices=("ours", "domainbed"),
+            default="ours",
+            help="how checkpoints are selected and seeds summarized: ours (default; ties to the "
+            "later step, the oracle's best step, validation AP on the pooled validation images, "
+            "mean ± sample std) or domainbed (DomainBed's model_selection.py and "
+            "collect_results.py: ties to the earlier step, the oracle's last step, validation "
+            "AP averaged over the training domains, mean ± standard error)",
         )
 
 
@@ -198,6 +209,7 @@ def _sweep(args: argparse.Namespace) -> None:
         job=args.job,
         list_jobs=args.list_jobs,
         aggregate_only=args.aggregate_only,
+        conventions=args.conventions,
     )
     if not (args.job or args.list_jobs):
         print((pathlib.Path(args.workdir) / "results.md").read_text())

@@ -15,7 +15,7 @@ import dataclasses
 import io
 import pathlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -60,8 +60,8 @@ RELEASE_TEST_FILES: dict[str, tuple[str, ...]] = {
     "oxford_pet": ("annotations/test.txt",),
     "geode": ("index.csv",),
 }
-# ImageNet and its variants: one folder of images per WordNet id under SRC/<folder>, named
-# from SRC/classnames.txt (`imagenet_class_names`); ImageNet's val may instead be flat with
+# ImageNet and its variants: one folder of images per WordNet id under SRC/<folder>, named as
+# FOCI names them (`imagenet_class_names`); ImageNet's val may instead be flat with
 # SRC/LOC_val_solution.csv (Kaggle's layout).
 IMAGENET_FOLDERS = {
     "imagenet_1k": "val",
@@ -69,7 +69,12 @@ IMAGENET_FOLDERS = {
     "imagenet_r": "imagenet-r",
     "imagenet_sketch": "sketch",
 }
-IMAGENET_CLASS_NAMES_FILE = "classnames.txt"
+IMAGENET_CLASS_NAMES_FILE = "classnames.txt"  # the user's names, over the shipped ones
+# OpenAI CLIP's wording of the 1000 classes, in class-index order: the list FOCI's loaders use
+# (open_clip's IMAGENET_CLASSNAMES). It names two pairs of classes alike (missile: 657 and 744;
+# sunglasses: 836 and 837), so each pair is one class unless FOCI's options or the user's
+# classnames.txt name them apart.
+SHIPPED_IMAGENET_CLASS_NAMES = pathlib.Path(__file__).with_name("imagenet_class_names.txt")
 IMAGENET_VAL_SOLUTION = "LOC_val_solution.csv"
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 # FOCI's Table 3 halves of ImageNet-1k: its training used every other class; its evaluation
@@ -81,8 +86,8 @@ def release_files(config: str, src: pathlib.Path) -> list[pathlib.Path]:
     """The files of the release that `config`'s test-split reader opens (for the build record)."""
     if config in IMAGENET_FOLDERS:
         flat = config == "imagenet_1k" and (src / IMAGENET_VAL_SOLUTION).exists()
-        names = (IMAGENET_CLASS_NAMES_FILE, *((IMAGENET_VAL_SOLUTION,) if flat else ()))
-        return [src / name for name in names]
+        names = (IMAGENET_CLASS_NAMES_FILE,) if (src / IMAGENET_CLASS_NAMES_FILE).exists() else ()
+        return [src / name for name in (*names, *((IMAGENET_VAL_SOLUTION,) if flat else ()))]
     if config == "stanford_cars":
         _check_not_kaggle_cars(src)
     return [src / name for name in RELEASE_TEST_FILES.get(config, ())]
@@ -294,15 +299,31 @@ def imagenet_wnids() -> tuple[str, ...]:
     return tuple(path.read_text().split())
 
 
-def imagenet_class_names(src: pathlib.Path) -> dict[str, str]:
-    """WordNet id -> class name from SRC/classnames.txt: 1000 lines in class-index order."""
-    path = src / IMAGENET_CLASS_NAMES_FILE
+def imagenet_class_names(
+    src: pathlib.Path,
+    named_images: Mapping[str, str] | None = None,
+    options_path: pathlib.Path | None = None,
+) -> dict[str, str]:
+    """WordNet id -> class name, in class-index order.
+
+    SRC/classnames.txt when the user has one (1000 distinct names, one per line); otherwise the
+    shipped OpenAI CLIP list, where FOCI's options (`named_images`: an image's name in the
+    options, ending in <wnid>/<file>, -> its groundtruth; read from `options_path`) rename the
+    classes they ask about.
+    """
     wnids = imagenet_wnids()
-    lines = building.read_text(path).splitlines()
-    names = [line.strip() for line in lines]
-    if len(names) != len(wnids):
+    path = src / IMAGENET_CLASS_NAMES_FILE
+    if path.exists():
+        return dict(zip(wnids, _user_class_names(path, len(wnids))))
+    names = dict(zip(wnids, SHIPPED_IMAGENET_CLASS_NAMES.read_text().splitlines()))
+    return {**names, **_names_in_options(named_images or {}, set(wnids), options_path)}
+
+
+def _user_class_names(path: pathlib.Path, expected: int) -> list[str]:
+    names = [line.strip() for line in building.read_text(path).splitlines()]
+    if len(names) != expected:
         raise building.BuildError(
-            f"{path}: {len(names)} lines, expected {len(wnids)}: one ImageNet class name per "
+            f"{path}: {len(names)} lines, expected {expected}: one ImageNet class name per "
             "line in class-index order (tench first), as OpenAI CLIP's list that FOCI uses"
         )
     first_line: dict[str, int] = {}
@@ -314,7 +335,27 @@ def imagenet_class_names(src: pathlib.Path) -> dict[str, str]:
                 f"{path}: line {number}: {name!r} is also line {first_line[name]}; each class "
                 "needs its own name"
             )
-    return dict(zip(wnids, names))
+    return names
+
+
+def _names_in_options(
+    named_images: Mapping[str, str], wnids: set[str], options_path: pathlib.Path | None
+) -> dict[str, str]:
+    """WordNet id -> the groundtruth FOCI's options give its images; one name per id."""
+    names: dict[str, str] = {}
+    first_image: dict[str, str] = {}
+    for image, name in named_images.items():
+        parts = image.replace("\\", "/").split("/")
+        wnid = parts[-2] if len(parts) >= 2 else None
+        if wnid not in wnids:
+            continue  # not in a <wnid>/ folder: the test split reports the image
+        if names.setdefault(wnid, name) != name:
+            raise building.BuildError(
+                f"{options_path or 'options'}: image {image} is labelled {name!r}, but "
+                f"{first_image[wnid]} of the same WordNet id {wnid} is labelled {names[wnid]!r}"
+            )
+        first_image.setdefault(wnid, image)
+    return names
 
 
 def _folder_images(folder: pathlib.Path) -> list[str]:
@@ -366,15 +407,27 @@ def _flat_val(src: pathlib.Path, names: dict[str, str]) -> TestSplit:
     return TestSplit(labels, frozenset(names.values()), str(path), aliases)
 
 
-def imagenet_test_split(config: str) -> Callable[[pathlib.Path], TestSplit]:
-    def read(src: pathlib.Path) -> TestSplit:
-        names = imagenet_class_names(src)
+def imagenet_test_split(config: str) -> Callable[..., TestSplit]:
+    """The reader of an ImageNet set; `named_images` are FOCI's options' names (see
+    `imagenet_class_names`)."""
+
+    def read(
+        src: pathlib.Path,
+        named_images: Mapping[str, str] | None = None,
+        options_path: pathlib.Path | None = None,
+    ) -> TestSplit:
+        names = imagenet_class_names(src, named_images, options_path)
         if config != "imagenet_1k":
             return _wnid_folders(src, IMAGENET_FOLDERS[config], names)
         flat = (src / IMAGENET_VAL_SOLUTION).exists()
         split = _flat_val(src, names) if flat else _wnid_folders(src, "val", names)
-        index = {name: k for k, name in enumerate(names.values())}
-        halves = {image: IMAGENET_HALVES[index[label] % 2] for image, label in split.labels.items()}
+        # By the image's WordNet id (its alias is <wnid>/<file>), not its name: two classes
+        # may share a name.
+        index = {wnid: k for k, wnid in enumerate(names)}
+        halves = {
+            image: IMAGENET_HALVES[index[alias.split("/")[0]] % 2]
+            for alias, image in split.aliases.items()
+        }
         # Every class is asked about in ImageNet-1k, present in its folders or not.
         return dataclasses.replace(split, class_names=frozenset(names.values()), groups=halves)
 
@@ -421,7 +474,7 @@ def geode_test_split(src: pathlib.Path) -> TestSplit:
     return TestSplit(labels, frozenset(labels.values()), str(path), groups=groups)
 
 
-RELEASE_TEST_SPLITS: dict[str, Callable[[pathlib.Path], TestSplit]] = {
+RELEASE_TEST_SPLITS: dict[str, Callable[..., TestSplit]] = {
     "food101": food101_test_split,
     "flowers102": flowers102_test_split,
     "fgvc_aircraft": fgvc_aircraft_test_split,

@@ -207,7 +207,7 @@ def _ranked_classes(name: str, root: pathlib.Path, split: foci_source.TestSplit)
     order), else sorted. They are the set's own classes, as FOCI's options_generation.py ranks
     over its loader's: ImageNet-1k's 1000, the classes present for ImageNet-A, -R, -Sketch."""
     if name in foci_source.IMAGENET_FOLDERS:
-        ordered = foci_source.imagenet_class_names(root).values()
+        ordered = dict.fromkeys(foci_source.imagenet_class_names(root).values())  # names may repeat
         return tuple(c for c in ordered if c in split.class_names)
     return tuple(sorted(split.class_names))
 

@@ -19,9 +19,11 @@ import pathlib
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
@@ -118,6 +120,41 @@ class Checkpointer:
             )
         return restored.state, restored.meta
 
+    def restore_variables(self, step: int) -> tuple[dict[str, Any], dict]:
+        """(variables, meta) of checkpoint `step` for inference, as host numpy arrays: the
+        params (ema_params where the run kept them, as evaluation uses them) and model_state.
+        Neither the optimizer nor the training mesh is rebuilt."""
+        _check_files(self.directory / str(step) / "state")
+        # A PyTree handler of its own: it restores part of the state without a target.
+        reader = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(create=False),
+            item_names=("state", "meta"),
+            item_handlers={
+                "state": ocp.PyTreeCheckpointHandler(),
+                "meta": ocp.JsonCheckpointHandler(),
+            },
+        )
+        try:
+            with _quiet_aborted_reads():
+                tree = reader.item_metadata(step)["state"].tree
+                params = "ema_params" if "ema_params" in tree else "params"
+                wanted = {key: tree[key] for key in (params, "model_state")}
+                as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), wanted)
+                restored = reader.restore(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.PyTreeRestore(
+                            item=wanted, restore_args=as_numpy, partial_restore=True
+                        ),
+                        meta=ocp.args.JsonRestore(),
+                    ),
+                )
+        finally:
+            reader.close()
+        state = restored.state
+        return {"params": state[params], **state["model_state"]}, restored.meta
+
     def restore_newest(self, abstract_state: Any) -> Restored | None:
         """The newest checkpoint that restores; None when there is none at all.
 
@@ -125,11 +162,18 @@ class Checkpointer:
         restored: if none does, the cause is more likely this program or its environment than
         every file at once, so all are left where they are and CheckpointError lists them.
         """
+        return self._newest_restored(lambda step: self.restore(step, abstract_state))
+
+    def restore_newest_variables(self) -> Restored | None:
+        """`restore_newest` for `restore_variables`: the state restored is the variables."""
+        return self._newest_restored(self.restore_variables)
+
+    def _newest_restored(self, restore: Callable[[int], tuple[Any, dict]]) -> Restored | None:
         failures: list[tuple[int, str]] = []
         last_error: Exception | None = None
         for step in reversed(self.all_steps()):
             try:
-                state, meta = self.restore(step, abstract_state)
+                state, meta = restore(step)
             except CheckpointError:
                 raise
             # A damaged checkpoint surfaces as whatever its reader raises (JSON, TensorStore,

@@ -13,67 +13,47 @@ from __future__ import annotations
 import pathlib
 from typing import Any, Sequence
 
-import jax
-import numpy as np
-import orbax.checkpoint as ocp
 from absl import logging
 
 from ood_jax import datasets
 from ood_jax.data import pipeline
 from ood_jax.models import exported, portable
-
-
-def _checkpoint_manager(directory: pathlib.Path) -> ocp.CheckpointManager:
-    # Explicit handlers let the manager read the items' metadata without a restore target.
-    return ocp.CheckpointManager(
-        directory,
-        options=ocp.CheckpointManagerOptions(create=False),
-        item_names=("state", "meta"),
-        item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
-    )
+from ood_jax.train import checkpoint, resume
 
 
 def restore_inference_state(
     workdir: str | pathlib.Path, step: int | None = None
 ) -> tuple[int, dict[str, Any], dict[str, Any]]:
-    """(step, variables, meta) of the newest (or the given) checkpoint of `workdir`.
-
-    Only the params (ema_params where the checkpoint has them) and model_state subtrees of the
-    "state" item are read, as host numpy arrays, so neither the optimizer nor the training mesh
-    has to be rebuilt.
+    """(step, variables, meta) of the given checkpoint of `workdir`, or of its newest that
+    restores: newer damaged ones are moved aside and named, as training and evaluation do
+    (`checkpoint.Checkpointer.restore_newest`). The variables are the params (ema_params where
+    the checkpoint has them) and model_state, as host numpy arrays.
     """
     directory = pathlib.Path(workdir).absolute() / "checkpoints"
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory}: no checkpoints directory; is {workdir} a workdir?")
-    manager = _checkpoint_manager(directory)
+    ckpt = checkpoint.Checkpointer(workdir, every_steps=1)
     try:
-        steps = manager.all_steps()
+        steps = ckpt.all_steps()
         if not steps:
             raise FileNotFoundError(f"{directory}: no checkpoint; train first (`ood-jax train`)")
-        if step is None:
-            step = max(steps)
-        elif step not in steps:
-            raise FileNotFoundError(f"{directory}: no checkpoint at step {step}; there are {steps}")
-        tree = manager.item_metadata(step)["state"].tree
-        params = "ema_params" if "ema_params" in tree else "params"
-        wanted = {key: tree[key] for key in (params, "model_state")}
-        restored = manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(
-                    item=wanted,
-                    restore_args=jax.tree.map(
-                        lambda _: ocp.RestoreArgs(restore_type=np.ndarray), wanted
-                    ),
-                    partial_restore=True,
-                ),
-                meta=ocp.args.JsonRestore(),
-            ),
-        )
+        if step is not None:
+            if step not in steps:
+                raise FileNotFoundError(
+                    f"{directory}: no checkpoint at step {step}; there are {steps}"
+                )
+            try:
+                return (step, *ckpt.restore_variables(step))
+            except Exception as error:
+                raise checkpoint.CheckpointError(
+                    f"checkpoint {step} in {directory} could not be restored "
+                    f"({checkpoint.short_reason(error)}); without --step the newest that "
+                    "restores is exported"
+                ) from error
+        restored = resume.say_moved_aside(ckpt.restore_newest_variables(), "exporting step")
     finally:
-        manager.close()
-    state = restored.state
-    return step, {"params": state[params], **state["model_state"]}, restored.meta
+        ckpt.close()
+    return restored.step, restored.state, restored.meta
 
 
 def dataset_class_names(dataset: dict[str, Any]) -> list[str] | None:

@@ -55,7 +55,11 @@ def restore_newest(
     """The newest checkpoint that restores into `abstract_state`, saying which newer ones did
     not and where they went; `then` completes that line with what happens next ("resuming
     from", "evaluating step")."""
-    restored = ckpt.restore_newest(abstract_state)
+    return say_moved_aside(ckpt.restore_newest(abstract_state), then)
+
+
+def say_moved_aside(restored: checkpoint.Restored | None, then: str) -> checkpoint.Restored | None:
+    """Prints a line for each newer checkpoint that did not restore; returns `restored`."""
     if restored is not None and jax.process_index() == 0:
         for failed in restored.failed:
             print(

@@ -33,8 +33,17 @@ PROTOCOLS = {
 # The splits model selection adds to a run's evaluation (never a domain's name).
 VALIDATION, LEFT_OUT = "validation", "left_out"
 SPLITS = (VALIDATION, LEFT_OUT)
+VALIDATION_BY_DOMAIN = "validation_by_domain"
 EVALUATIONS_FILE = "evaluations.json"
 ORACLE_FRACTION = 0.2  # DomainBed's share of a test domain for its oracle; the configs' default
+# How a sweep selects and summarizes (docs/guide/model-selection.md): ours, or DomainBed's own
+# model_selection.py and collect_results.py.
+CONVENTIONS = {
+    "ours": "ties to the later step; the oracle's best step; validation AP on the pooled "
+    "validation images; mean ± sample std",
+    "domainbed": "DomainBed's: ties to the earlier step; the oracle's last step; validation AP "
+    "averaged over the training domains; mean ± standard error",
+}
 
 
 def selection_splits(
@@ -97,15 +106,33 @@ def subset_ap(matches: coco.Matches, mask: np.ndarray) -> dict[str, float]:
     return {name: float(values[0]) for name, values in stats.items()}
 
 
+def validation_domains(builder: tfds.core.DatasetBuilder, split: str) -> dict[str, np.ndarray]:
+    """Training domain -> the sorted image ids of the validation slice `split` that carry it (a
+    COUNTS image may carry several): what DomainBed's training-domain validation averages over."""
+    features = builder.info.features
+    names = features["domain"].names
+    key = "domains" if "domains" in features else "domain"
+    dataset = builder.as_dataset(
+        split=split, decoders={"image": tfds.decode.SkipDecoding()}, shuffle_files=False
+    )
+    ids: dict[str, list[int]] = {}
+    for example in dataset.as_numpy_iterator():
+        for index in np.atleast_1d(example[key]):
+            ids.setdefault(names[int(index)], []).append(int(example["image/id"]))
+    return {name: np.unique(ids[name]) for name in names if name in ids}
+
+
 def evaluation_record(
     step: int,
     evaluated: Mapping[str, coco.CocoEvalResult],
     selection: ml_collections.ConfigDict | None,
     seed: int,
+    validation_by_domain: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """What evaluations.json keeps of one evaluation: the 12 COCO numbers of every evaluated
-    split, their mean over the targets, and each target's AP on its oracle slice with their
-    mean (the oracle's criterion)."""
+    split, their mean over the targets, each target's AP on its oracle slice with their mean
+    (the oracle's criterion), and the validation slice's AP per training domain
+    (`validation_by_domain`, `validation_domains`'s)."""
     fraction = selection.oracle_fraction if selection else ORACLE_FRACTION
     targets = [name for name in evaluated if name != "iid" and name not in SPLITS]
     record: dict[str, Any] = {
@@ -117,6 +144,12 @@ def evaluation_record(
         },
     }
     record.update({name: evaluated[name].stats for name in SPLITS if name in evaluated})
+    if VALIDATION in evaluated and validation_by_domain:
+        matches = evaluated[VALIDATION].matches
+        record[VALIDATION_BY_DOMAIN] = {
+            domain: subset_ap(matches, np.isin(matches.image_ids, ids))
+            for domain, ids in validation_by_domain.items()
+        }
     record["oracle"] = {
         t: subset_ap(
             evaluated[t].matches, oracle_mask(evaluated[t].matches.image_ids, fraction, seed, t)
@@ -152,33 +185,57 @@ class Selected:
     record: Mapping[str, Any]
 
 
-def _argmax(values: Mapping[int, float]) -> int:
-    """The step of the highest value; a tie goes to the later step, so a criterion that cannot
-    tell steps apart selects what `last` does."""
-    return max(values, key=lambda step: (values[step], step))
+def _argmax(values: Mapping[int, float], later_on_ties: bool) -> int:
+    """The step of the highest value. Ours gives a tie to the later step, so a criterion that
+    cannot tell steps apart selects what `last` does; DomainBed's (`Q.argmax`, Python's max over
+    the steps in order) to the earlier."""
+    return max(values, key=lambda step: (values[step], step if later_on_ties else -step))
 
 
 def select(
     protocol: str,
     records: Sequence[Mapping[str, Any]],
     left_out: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
+    conventions: str = "ours",
 ) -> Selected:
-    """The step `protocol` selects among a run's evaluation `records`; leave_one_domain_out
-    also reads `left_out` (left-out domain -> the records of the run without it), over the
-    steps every one of those runs and this one evaluated."""
+    """The step `protocol` selects among a run's evaluation `records` by `conventions`
+    (CONVENTIONS); leave_one_domain_out also reads `left_out` (left-out domain -> the records
+    of the run without it), over the steps every one of those runs and this one evaluated."""
+    if conventions not in CONVENTIONS:
+        raise ValueError(
+            f"unknown conventions {conventions!r}; expected one of {', '.join(CONVENTIONS)}"
+        )
     if not records:
         raise ValueError("no evaluation records to select from")
+    domainbed = conventions == "domainbed"
     by_step = {r["step"]: r for r in records}
     if protocol == "last":
         step = max(by_step)
         return Selected(step, None, by_step[step])
+    if protocol == "oracle" and domainbed:
+        # DomainBed's oracle selects hyperparameters on the test domains but stops no earlier
+        # than the last step.
+        step = max(by_step)
+        return Selected(step, float(by_step[step]["oracle_average"]), by_step[step])
     if protocol == "training_domain":
         if any(VALIDATION not in r for r in records):
             raise ValueError(
                 "training_domain: the runs have no validation slice; train them with "
                 "config.selection.val_fraction > 0"
             )
-        values = {s: r[VALIDATION]["AP"] for s, r in by_step.items()}
+        if not domainbed:
+            values = {s: r[VALIDATION]["AP"] for s, r in by_step.items()}
+        elif any(VALIDATION_BY_DOMAIN not in r for r in records):
+            raise ValueError(
+                f"training_domain with DomainBed's conventions: the runs' {EVALUATIONS_FILE} "
+                "have no validation AP per training domain (runs evaluated before ood-jax "
+                "recorded it); train them again in a fresh --workdir"
+            )
+        else:
+            values = {
+                s: float(np.mean([v["AP"] for v in r[VALIDATION_BY_DOMAIN].values()]))
+                for s, r in by_step.items()
+            }
     elif protocol == "oracle":
         values = {s: r["oracle_average"] for s, r in by_step.items()}
     elif protocol == "leave_one_domain_out":
@@ -191,5 +248,5 @@ def select(
         values = {s: float(np.mean([run[s] for run in runs.values()])) for s in steps}
     else:
         raise ValueError(f"unknown protocol {protocol!r}; expected one of {', '.join(PROTOCOLS)}")
-    step = _argmax(values)
+    step = _argmax(values, later_on_ties=not domainbed)
     return Selected(step, float(values[step]), by_step[step])

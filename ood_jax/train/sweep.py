@@ -1,5 +1,5 @@
 """`ood-jax sweep`: N seeds of a detector config, and the checkpoint each model-selection protocol
-(selection.py) selects in them, as mean +- std over the seeds.
+(selection.py) selects in them, as mean +- std over the seeds (or by DomainBed's conventions).
 
 A sweep is a list of jobs (SWEEP_DIR/sweep.json, kept from the sweep's start), each an ordinary
 resumable training run in SWEEP_DIR/<job>/; aggregating reads their evaluations.json into
@@ -132,11 +132,12 @@ def _finished(workdir: pathlib.Path) -> int | None:
     return step if step == max(r["step"] for r in records) else None
 
 
-def aggregate(sweep_dir: str | pathlib.Path) -> dict[str, Any]:
+def aggregate(sweep_dir: str | pathlib.Path, conventions: str = "ours") -> dict[str, Any]:
     """results.json's content from the jobs' evaluations: per protocol and seed the selected
     step, the value it was selected by, its in-domain AP, each target's AP and their average;
-    and the mean and sample standard deviation (n - 1) of those over the seeds. ValueError
-    naming the jobs that have not finished."""
+    and the mean and spread of those over the seeds: the sample standard deviation (n - 1),
+    or with DomainBed's `conventions` its standard error. ValueError naming the jobs that have
+    not finished."""
     sweep_dir = pathlib.Path(sweep_dir)
     path = sweep_dir / PLAN_FILE
     if not path.is_file():
@@ -159,7 +160,7 @@ def aggregate(sweep_dir: str | pathlib.Path) -> dict[str, Any]:
                 for job in jobs
                 if job.seed == seed and job.leave_out
             }
-            chosen = selection.select(protocol, records[f"seed{seed}"], left_out)
+            chosen = selection.select(protocol, records[f"seed{seed}"], left_out, conventions)
             per_seed.append(
                 {
                     "seed": seed,
@@ -175,13 +176,21 @@ def aggregate(sweep_dir: str | pathlib.Path) -> dict[str, Any]:
         protocols[protocol] = {
             "label": selection.PROTOCOLS[protocol],
             "per_seed": per_seed,
-            **_mean_std(per_seed, sweep["targets"]),
+            **mean_and_spread(per_seed, sweep["targets"], conventions),
         }
-    return {**{k: sweep[k] for k in ("model_name", "seeds", "targets")}, "protocols": protocols}
+    kept = {k: sweep[k] for k in ("model_name", "seeds", "targets")}
+    return {**kept, "conventions": conventions, "protocols": protocols}
 
 
-def _mean_std(per_seed: Sequence[Mapping[str, Any]], targets: Sequence[str]) -> dict[str, Any]:
-    """{"mean": ..., "std": ...} of the APs over seeds; std is None with one seed."""
+SPREADS = {"ours": "std", "domainbed": "standard_error"}
+
+
+def mean_and_spread(
+    per_seed: Sequence[Mapping[str, Any]], targets: Sequence[str], conventions: str
+) -> dict[str, Any]:
+    """{"mean": ..., SPREADS[conventions]: ...} of the APs over seeds. Ours is the sample std,
+    None with one seed; DomainBed's (collect_results.py) np.std(values / sqrt(n)), 0 with one.
+    """
 
     def columns(entry: Mapping[str, Any]) -> dict[str, float]:
         return {
@@ -191,10 +200,11 @@ def _mean_std(per_seed: Sequence[Mapping[str, Any]], targets: Sequence[str]) -> 
         }
 
     values = {k: np.array([columns(e)[k] for e in per_seed]) for k in columns(per_seed[0])}
-    return {
-        "mean": {k: float(v.mean()) for k, v in values.items()},
-        "std": {k: float(v.std(ddof=1)) if len(v) > 1 else None for k, v in values.items()},
-    }
+    if conventions == "domainbed":
+        spread = {k: float(np.std(v / np.sqrt(len(v)))) for k, v in values.items()}
+    else:
+        spread = {k: float(v.std(ddof=1)) if len(v) > 1 else None for k, v in values.items()}
+    return {"mean": {k: float(v.mean()) for k, v in values.items()}, SPREADS[conventions]: spread}
 
 
 def _number(value: float) -> str:
@@ -213,10 +223,13 @@ def results_markdown(results: Mapping[str, Any]) -> str:
     columns = ["iid", *targets, "ood_average"]
     names = ["IID mAP", *[t.capitalize() for t in targets], "Avg"]
     seeds = ", ".join(str(s) for s in results["seeds"])
+    conventions = results.get("conventions", "ours")
+    spread = SPREADS[conventions]
+    by = "sample std" if conventions == "ours" else "standard error, by DomainBed's conventions"
     lines = [
         f"Model selection for {results['model_name']}: {len(results['seeds'])} seeds ({seeds}).",
         "",
-        "COCO mAP@[.5:.95] of the step each protocol selects, mean ± sample std over seeds; "
+        f"COCO mAP@[.5:.95] of the step each protocol selects, mean ± {by} over seeds; "
         "targets on their whole test splits. The COUNTS paper reports the last checkpoint.",
         "",
         "| Protocol | Steps | " + " | ".join(names) + " |",
@@ -224,7 +237,7 @@ def results_markdown(results: Mapping[str, Any]) -> str:
     ]
     for p in results["protocols"].values():
         steps = ", ".join(str(e["step"]) for e in p["per_seed"])
-        cells = [_cell(p["mean"][c], p["std"][c]) for c in columns]
+        cells = [_cell(p["mean"][c], p[spread][c]) for c in columns]
         lines.append(f"| {p['label']} | {steps} | " + " | ".join(cells) + " |")
     lines += [
         "",
@@ -246,9 +259,9 @@ def results_markdown(results: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results(sweep_dir: str | pathlib.Path) -> dict[str, Any]:
+def write_results(sweep_dir: str | pathlib.Path, conventions: str = "ours") -> dict[str, Any]:
     """Aggregates (`aggregate`) into SWEEP_DIR/results.json and results.md."""
-    results = aggregate(sweep_dir)
+    results = aggregate(sweep_dir, conventions)
     files.write_json_atomic(pathlib.Path(sweep_dir) / "results.json", results)
     files.write_atomic(pathlib.Path(sweep_dir) / "results.md", results_markdown(results))
     return results
@@ -264,14 +277,19 @@ def sweep(
     job: str | None = None,
     list_jobs: bool = False,
     aggregate_only: bool = False,
+    conventions: str = "ours",
 ) -> dict[str, Any] | None:
     """`ood-jax sweep`: runs the jobs one after the other (a finished one is kept, an
     interrupted one resumes), then aggregates; `job` (a name or an index) runs one job only,
-    `list_jobs` prints them, `aggregate_only` only aggregates. Returns the aggregated results
-    when it aggregated."""
+    `list_jobs` prints them, `aggregate_only` only aggregates, by `conventions`
+    (`selection.CONVENTIONS`). Returns the aggregated results when it aggregated."""
     sweep_dir = pathlib.Path(sweep_dir)
+    if conventions not in selection.CONVENTIONS:
+        raise ValueError(
+            f"--conventions: {conventions!r}; choose from {', '.join(selection.CONVENTIONS)}"
+        )
     if aggregate_only:
-        return write_results(sweep_dir)
+        return write_results(sweep_dir, conventions)
     if config is None:
         raise ValueError("--config: required unless --aggregate-only")
     planned = plan(config, seeds, protocols, leave_out)
@@ -289,4 +307,4 @@ def sweep(
         return None
     for j in jobs:
         run_job(config, sweep_dir, planned, j)
-    return write_results(sweep_dir)
+    return write_results(sweep_dir, conventions)

@@ -600,6 +600,11 @@ def _train_and_evaluate(
     )
     batches = _train_batches(config, experiment, start_step)
     ground_truth = ground_truths(experiment)
+    validation_by_domain = (
+        selection.validation_domains(experiment.builder, experiment.splits[selection.VALIDATION])
+        if selection.VALIDATION in experiment.splits
+        else None
+    )
     # Records after the resumed step are recomputed below (a fresh run has none to keep); a
     # finished run resumed at its last step evaluates that step again, replacing its record.
     evaluations = {
@@ -608,7 +613,7 @@ def _train_and_evaluate(
 
     def record_evaluation(step: int, evaluated: Mapping[str, coco.CocoEvalResult]) -> None:
         evaluations[step] = selection.evaluation_record(
-            step, evaluated, config.get("selection"), config.seed
+            step, evaluated, config.get("selection"), config.seed, validation_by_domain
         )
         if _is_primary():
             selection.write_evaluations(workdir, list(evaluations.values()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -88,6 +89,89 @@ def test_mining_reads_the_appendix_d_sets(tmp_path):
     source = mining.read_source("imagenet_a", src)
     assert set(source.images) == set(expected)
     assert source.class_names == ("class 0", "class 1", "class 2", "class 7")
+
+
+# ---------------------------------------------------------------------------------------------
+# ImageNet's class names without a user's classnames.txt
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_shipped_class_names_are_open_clip_s():
+    from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES
+
+    shipped = foci_source.SHIPPED_IMAGENET_CLASS_NAMES.read_text().splitlines()
+    assert shipped == list(IMAGENET_CLASSNAMES)
+
+
+def _release_without_class_list(src, config: str, classes: dict[int, str], negatives=()):
+    """SRC/<folder>/<wnid>/ of ImageNet classes (index -> the name FOCI's options give it),
+    two images each, and FOCI's released options file; no classnames.txt."""
+    folder, wnids = foci_source.IMAGENET_FOLDERS[config], foci_source.imagenet_wnids()
+    labelled = [
+        (f"{folder}/{wnids[c]}/{wnids[c]}_{k}.JPEG", name)
+        for c, name in classes.items()
+        for k in range(2)
+    ]
+    expected = _images(src, labelled, [*dict.fromkeys(classes.values()), *negatives])
+    foci_names = {image: image.removeprefix(f"{folder}/") for image in expected}
+    _write_options(src / foci_source.released_options_file(config), expected, foci_names)
+    return expected
+
+
+def test_imagenet_r_builds_from_the_release_as_users_have_it(tmp_path):
+    src = tmp_path / "src"
+    shipped = foci_source.SHIPPED_IMAGENET_CLASS_NAMES.read_text().splitlines()
+    expected = _release_without_class_list(src, "imagenet_r", {c: shipped[c] for c in (1, 3, 4, 5)})
+    builder = _build(tmp_path, "imagenet_r", src)
+    assert _split(builder, "test") == {image: label for image, (label, _, _) in expected.items()}
+    named = ("goldfish", "tiger shark", "hammerhead shark", "electric ray")
+    assert set(_split(builder, "test").values()) == set(named)
+    assert not any(name.endswith("classnames.txt") for name in builder.provenance.files)
+    # Mining ranks the same classes without an options file.
+    (src / foci_source.released_options_file("imagenet_r")).unlink()
+    ranked = mining.read_source("imagenet_r", src).class_names
+    assert ranked == named
+
+
+def test_foci_s_groundtruths_name_the_classes_they_ask_about(tmp_path):
+    src = tmp_path / "src"
+    classes = {0: "a tench", 1: "goldfish", 2: "a great white shark", 5: "electric ray"}
+    expected = _release_without_class_list(src, "imagenet_a", classes)
+    builder = _build(tmp_path, "imagenet_a", src)
+    assert _split(builder, "test") == {image: label for image, (label, _, _) in expected.items()}
+
+
+def test_classes_named_alike_keep_their_own_halves(tmp_path):
+    # The shipped list calls classes 657 and 744 both "missile"; FOCI's halves go by index.
+    src = tmp_path / "src"
+    shipped = foci_source.SHIPPED_IMAGENET_CLASS_NAMES.read_text().splitlines()
+    assert shipped[657] == shipped[744] == "missile"
+    classes = {c: shipped[c] for c in (0, 657, 744)}
+    expected = _release_without_class_list(src, "imagenet_1k", classes, shipped[1:3])
+    builder = _build(tmp_path, "imagenet_1k", src)
+    wnids = foci_source.imagenet_wnids()
+    assert set(_split(builder, "test")) == set(expected)
+    assert set(_split(builder, "train_half")) == {i for i in expected if wnids[657] not in i}
+    assert set(_split(builder, "test_half")) == {i for i in expected if wnids[657] in i}
+
+
+def test_one_wordnet_id_named_two_ways_is_refused(tmp_path):
+    src = tmp_path / "src"
+    classes = {1: "goldfish", 3: "tiger shark", 4: "hammerhead shark", 5: "electric ray"}
+    _release_without_class_list(src, "imagenet_r", classes)
+    path = src / foci_source.released_options_file("imagenet_r")
+    data = json.loads(path.read_text())
+    entry = data["goldfish"].pop()
+    entry["groundtruth"] = "carp"
+    entry["options"][entry["options"].index("goldfish")] = "carp"
+    data["carp"] = [entry]
+    path.write_text(json.dumps(data))
+    message = (
+        rf"{re.escape(str(path))}: image \S+ is labelled 'carp', but \S+ of the same WordNet "
+        "id n01443537 is labelled 'goldfish'"
+    )
+    with pytest.raises(building.BuildError, match=message):
+        _build(tmp_path, "imagenet_r", src)
 
 
 def _imagenet_r(tmp_path):

@@ -439,7 +439,7 @@ def tiny_config(data_dir: pathlib.Path):
 
 
 @pytest.mark.slow
-def test_training_and_evaluation_manifests(tmp_path):
+def test_training_and_evaluation_manifests(tmp_path, compile_cache):
     from ood_jax.detection import compare as detection_compare
     from ood_jax.train import train
 

@@ -157,7 +157,7 @@ def test_the_command_splits_and_merges_as_one_run(foci_data, compile_cache, tmp_
         )
         job = tmp_path / "job"
         done = subprocess.run(
-            launch_command(eval_mllm(job)), env=environ(compile_cache), cwd=REPO,
+            launch_command(eval_mllm(job)), env=environ(), cwd=REPO,
             capture_output=True, text=True, timeout=HANG_GUARD_S,
         )  # fmt: skip
         assert done.returncode in (0, 3), done.stdout[-3000:] + done.stderr[-3000:]

@@ -42,6 +42,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = f"--config={REPO / 'configs' / 'synthetic_detr.py'}:smoke"
 STEPS = 4
 LOSS_LINE = re.compile(r"^step (\d+)/(\d+)\s+loss (\S+)", re.MULTILINE)
+CACHE_WRITERS = pathlib.Path(__file__).parent / "cache_writers"
 HANG_GUARD_S = 600  # a wedged job fails the test instead of stalling the suite
 
 
@@ -52,11 +53,12 @@ def data_dir(tmp_path_factory):
     return path
 
 
-def environ(compile_cache: str, devices: int | None = None) -> dict[str, str]:
+def environ(devices: int | None = None) -> dict[str, str]:
+    """This process's environment (the compile_cache fixture's cache included) for a job's
+    processes; each of them, not only process 0, writes to the cache (cache_writers/)."""
     env = dict(os.environ)
-    env["JAX_COMPILATION_CACHE_DIR"] = compile_cache
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    paths = [str(REPO), str(CACHE_WRITERS), env.get("PYTHONPATH")]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     for name in (multihost.NUM_PROCESSES_ENV, multihost.PROCESS_ID_ENV):
         env.pop(name, None)
     if devices is not None:
@@ -141,7 +143,7 @@ def two_by_two(tmp_path_factory, data_dir, compile_cache):
         [*train_args(workdir, data_dir), *pretraining, "--config.eval_every=2"]
     )
     started = time.perf_counter()
-    done = run(command, environ(compile_cache))
+    done = run(command, environ())
     print(f"\n2 x 2 run: {time.perf_counter() - started:.0f} s\n{done.stdout}")
     return {"workdir": workdir, "stdout": done.stdout, "losses": logged_losses(workdir)}
 
@@ -166,7 +168,7 @@ def test_one_process_evaluates_the_checkpoint_as_two_did(
     (workdir / "results.json").unlink()
     (workdir / "matches.npz").unlink()
     evaluate = [sys.executable, "-m", "ood_jax", "evaluate", *train_args(workdir, data_dir)[1:]]
-    run(evaluate, environ(compile_cache, devices=4))
+    run(evaluate, environ(devices=4))
 
     one = json.loads((workdir / "results.json").read_text())
     two = json.loads((trained / "results.json").read_text())
@@ -183,7 +185,7 @@ def test_one_process_exports_what_two_processes_saved(two_by_two, compile_cache,
 
     out = tmp_path / "exported.msgpack"
     export = [sys.executable, "-m", "ood_jax", "export", "--workdir", str(two_by_two["workdir"])]
-    run([*export, "--out", str(out)], environ(compile_cache, devices=1))
+    run([*export, "--out", str(out)], environ(devices=1))
     written = flat(exported.load_exported(out).variables["params"])
     saved = read_state(two_by_two["workdir"], STEPS)
     assert written
@@ -201,9 +203,9 @@ def test_corrupted_evaluation_as_one_process(two_by_two, data_dir, compile_cache
         shutil.copytree(two_by_two["workdir"], workdir)
         args = ["evaluate", *train_args(workdir, data_dir)[1:], corrupted]
         if processes == 2:
-            run(launch_command(args), environ(compile_cache))
+            run(launch_command(args), environ())
         else:
-            run([sys.executable, "-m", "ood_jax", *args], environ(compile_cache, devices=4))
+            run([sys.executable, "-m", "ood_jax", *args], environ(devices=4))
         written = sorted((workdir / "corruptions").glob("*.json"))
         summaries[processes] = {p.name: json.loads(p.read_text()) for p in written}
     assert summaries[2] and summaries[2] == summaries[1]
@@ -221,7 +223,7 @@ def test_one_process_of_four_devices_trains_on_the_same_examples(
     workdir.mkdir()
     shutil.copy(two_by_two["workdir"] / train.PRETRAINED_BACKBONE, workdir)
     command = [sys.executable, "-m", "ood_jax", *train_args(workdir, data_dir)]
-    run([*command, "--config.total_steps=3"], environ(compile_cache, devices=4))
+    run([*command, "--config.total_steps=3"], environ(devices=4))
     one, two = logged_losses(workdir), two_by_two["losses"]
     assert sorted(one) == [1, 2, 3]
     # The same examples give the same losses but for the float32 rounding of cross-device sums
@@ -279,7 +281,7 @@ def test_lost_process_then_preemption_then_the_same_end(
     workdir.mkdir()
     shutil.copy(two_by_two["workdir"] / train.PRETRAINED_BACKBONE, workdir)
     command = launch_command(train_args(workdir, data_dir), lost_after=10)
-    env = environ(compile_cache)
+    env = environ()
 
     def once_a_checkpoint_is_finished(launcher: subprocess.Popen) -> None:
         while not checkpoint_steps(workdir):  # orbax finishes a step once every process has

@@ -35,7 +35,7 @@ def dino_args(workdir, data_dir) -> list[str]:
 
 def test_dino_evaluates_as_one_process(data_dir, compile_cache, tmp_path):
     workdir = tmp_path / "dino"
-    run(launch_command(dino_args(workdir, data_dir)), environ(compile_cache))
+    run(launch_command(dino_args(workdir, data_dir)), environ())
     assert checkpoint_steps(workdir) == [1, 2]
 
     evaluated = tmp_path / "evaluated"
@@ -43,7 +43,7 @@ def test_dino_evaluates_as_one_process(data_dir, compile_cache, tmp_path):
     (evaluated / "results.json").unlink()
     (evaluated / "matches.npz").unlink()
     evaluate = ["evaluate", *dino_args(evaluated, data_dir)[1:]]
-    run([sys.executable, "-m", "ood_jax", *evaluate], environ(compile_cache, devices=4))
+    run([sys.executable, "-m", "ood_jax", *evaluate], environ(devices=4))
     assert json.loads((evaluated / "results.json").read_text()) == json.loads(
         (workdir / "results.json").read_text()
     )

@@ -54,12 +54,12 @@ def foci_source(tmp_path_factory) -> pathlib.Path:
     return root
 
 
-def mine(args: list[str], compile_cache: str, processes: int) -> subprocess.CompletedProcess:
+def mine(args: list[str], processes: int) -> subprocess.CompletedProcess:
     """`ood-jax mine ...` as 2 processes x 2 devices, or as 1 process of 4 devices."""
     if processes == 2:
-        return run(launch_command(["mine", *args]), environ(compile_cache))
+        return run(launch_command(["mine", *args]), environ())
     command = [sys.executable, "-m", "ood_jax", "mine", *args]
-    return run(command, environ(compile_cache, devices=4))
+    return run(command, environ(devices=4))
 
 
 def test_foci_options_and_the_cache_as_one_process_writes_them(
@@ -68,8 +68,8 @@ def test_foci_options_and_the_cache_as_one_process_writes_them(
     common = ["foci", "--dataset", "custom", "--data-dir", str(foci_source), "--quiet"]
     common += ["--scorer", str(checkpoints["clip"]), "--batch-size", str(BATCH)]
     two, one = tmp_path / "two.json", tmp_path / "one.json"
-    done = mine([*common, "--out", str(two), "--cache", str(tmp_path / "cache")], compile_cache, 2)
-    mine([*common, "--out", str(one)], compile_cache, 1)
+    done = mine([*common, "--out", str(two), "--cache", str(tmp_path / "cache")], 2)
+    mine([*common, "--out", str(one)], 1)
 
     assert two.read_bytes() == one.read_bytes()
     assert done.stdout.count("zero-shot accuracy of this scorer") == 1  # printed once
@@ -89,8 +89,8 @@ def test_oodbench_splits_as_one_process_writes_them(checkpoints, compile_cache, 
     common += ["--scorer", str(checkpoints["clip"]), "--scorer", str(checkpoints["blip2"])]
     common += ["--match", "blip2", "--batch-size", str(BATCH), "--max-per-split", "0"]
     two, one = tmp_path / "two.jsonl", tmp_path / "one.jsonl"
-    mine([*common, "--out", str(two), "--cache", str(tmp_path / "cache")], compile_cache, 2)
-    mine([*common, "--out", str(one)], compile_cache, 1)
+    mine([*common, "--out", str(two), "--cache", str(tmp_path / "cache")], 2)
+    mine([*common, "--out", str(one)], 1)
     assert two.read_bytes() == one.read_bytes()
     records = [json.loads(line) for line in two.read_text().splitlines()]
     assert records and all(set(r["scores"]) == {"clip", "blip2"} for r in records)
@@ -101,8 +101,8 @@ def test_oodg_items_as_one_process_writes_them(compile_cache, tmp_path):
     common = ["oodg", "--dataset", "synthetic_shifts/tiny", "--data-dir", str(tmp_path / "tfds")]
     common += ["--task", "grounding", "--setting", "covariate_shift", "--ice", "1"]
     common += ["--num-items", "4"]
-    mine([*common, "--out", str(tmp_path / "two")], compile_cache, 2)
-    mine([*common, "--out", str(tmp_path / "one")], compile_cache, 1)
+    mine([*common, "--out", str(tmp_path / "two")], 2)
+    mine([*common, "--out", str(tmp_path / "one")], 1)
     written = sorted(p.relative_to(tmp_path / "two") for p in (tmp_path / "two").rglob("*"))
     assert written == sorted(p.relative_to(tmp_path / "one") for p in (tmp_path / "one").rglob("*"))
     for path in written:
@@ -124,7 +124,7 @@ def test_an_error_on_one_process_stops_both(checkpoints, foci_source, compile_ca
     args = ["mine", "foci", "--dataset", "custom", "--data-dir", str(source), "--quiet"]
     args += ["--scorer", str(checkpoints["clip"]), "--batch-size", str(BATCH), "--out", str(out)]
     done = subprocess.run(
-        launch_command(args), env=environ(compile_cache), cwd=REPO, capture_output=True,
+        launch_command(args), env=environ(), cwd=REPO, capture_output=True,
         text=True, timeout=HANG_GUARD_S,
     )  # fmt: skip
     output = done.stdout + done.stderr

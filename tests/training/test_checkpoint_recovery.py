@@ -25,11 +25,14 @@ import pathlib
 import re
 import shutil
 
+import jax
 import ml_collections
+import numpy as np
 import pytest
 
 from ood_jax import cli, datasets
 from ood_jax.detection import evaluation
+from ood_jax.models import exported
 from ood_jax.train import checkpoint, config_checks, resume, train
 
 # Trains, launches processes or starts servers: left out of `make test-fast`.
@@ -244,6 +247,44 @@ def test_when_no_checkpoint_restores_one_line_lists_them_and_nothing_moves(workd
     assert "fresh --workdir" in message
     assert checkpoint_steps(workdir) == CHECKPOINTS
     assert not (workdir / checkpoint.FAILED_DIR).exists()
+
+
+def test_export_takes_the_newest_checkpoint_that_restores(workdir, capfd, tmp_path):
+    saved = exported_variables(workdir, 2, tmp_path / "step2.msgpack")
+    truncate_largest_array_file(workdir, STEPS)
+    out = tmp_path / "model.msgpack"
+    cli.main(["export", "--workdir", str(workdir), "--out", str(out)])
+    printed, err = capfd.readouterr()
+
+    moved = workdir / checkpoint.FAILED_DIR / str(STEPS)
+    assert re.search(
+        rf"^checkpoint {STEPS} could not be restored \(ValueError: array \S+: OUT_OF_RANGE: .+\); "
+        rf"moved to {re.escape(str(moved))}; exporting step 2$",
+        printed,
+        re.MULTILINE,
+    ), printed
+    model = exported.load_exported(out)
+    assert model.step == 2 and moved.is_dir() and checkpoint_steps(workdir) == [1, 2]
+    assert flat(model.variables) == flat(saved) and "Traceback" not in err, err[-3000:]
+
+    # A damaged step asked for by --step is an error naming it; nothing moves.
+    truncate_largest_array_file(workdir, 2)
+    message = error_line(["export", "--workdir", str(workdir), "--out", str(out), "--step", "2"])
+    assert message.startswith(f"error: checkpoint 2 in {workdir / 'checkpoints'} could not be "), (
+        message
+    )
+    assert "without --step the newest that restores is exported" in message
+    assert checkpoint_steps(workdir) == [1, 2]
+
+
+def exported_variables(workdir: pathlib.Path, step: int, out: pathlib.Path) -> dict:
+    cli.main(["export", "--workdir", str(workdir), "--out", str(out), "--step", str(step)])
+    return exported.load_exported(out).variables
+
+
+def flat(tree) -> dict[str, bytes]:
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    return {jax.tree_util.keystr(path): np.asarray(leaf).tobytes() for path, leaf in leaves}
 
 
 # ------------------------------------------------------------------------------------------------

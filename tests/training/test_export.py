@@ -51,7 +51,7 @@ def smoke_config(data_dir: pathlib.Path) -> ml_collections.ConfigDict:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> dict[str, Any]:
+def run(tmp_path_factory, compile_cache) -> dict[str, Any]:
     """A 2-step smoke run, the variables it handed to each checkpoint save, and its export."""
     config = smoke_config(tmp_path_factory.mktemp("tfds"))
     workdir = tmp_path_factory.mktemp("run")

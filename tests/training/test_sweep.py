@@ -341,6 +341,34 @@ def test_aggregate_only_gives_the_same_results(swept, tmp_path):
         cli.main(["sweep", f"--workdir={copy}", "--aggregate-only"])
 
 
+def test_domainbed_conventions_aggregate_the_same_runs(swept, tmp_path):
+    copy = tmp_path / "sweep"
+    shutil.copytree(swept["dir"], copy)
+    with contextlib.redirect_stdout(io.StringIO()):
+        cli.main(["sweep", f"--workdir={copy}", "--aggregate-only", "--conventions=domainbed"])
+    results = json.loads((copy / "results.json").read_text())
+    assert results["conventions"] == "domainbed"
+    sources = [d for d in counts.DOMAINS if d not in TARGETS]
+    for name, records in swept["records"].items():
+        kept = [d for d in sources if not name.endswith(f"_loo_{d}")]
+        for r in records:  # every training domain the validation slice holds, in DOMAINS order
+            domains = list(r[selection.VALIDATION_BY_DOMAIN])
+            assert (
+                domains and set(domains) <= set(kept) and domains == sorted(domains, key=kept.index)
+            )
+    for entry in results["protocols"]["training_domain"]["per_seed"]:
+        own = swept["records"][f"seed{entry['seed']}"]
+        values = [
+            np.mean([v["AP"] for v in r[selection.VALIDATION_BY_DOMAIN].values()]) for r in own
+        ]
+        assert entry["step"] == own[int(np.argmax(values))]["step"]  # the first of equal values
+    assert results["protocols"]["oracle"]["per_seed"][0]["step"] == STEPS
+    spread = results["protocols"]["last"]["standard_error"]["ood_average"]
+    values = [e["ood_average"] for e in results["protocols"]["last"]["per_seed"]]
+    assert spread == pytest.approx(np.std(values) / np.sqrt(len(values)))
+    assert "standard error, by DomainBed's conventions" in (copy / "results.md").read_text()
+
+
 def test_rerun_keeps_finished_jobs_and_refuses_other_jobs(swept, data_dir):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -61,10 +61,9 @@ def data_dir(tmp_path_factory):
     return path
 
 
-def child_env(compile_cache: str, devices: int | None = None) -> dict[str, str]:
+def child_env(devices: int | None = None) -> dict[str, str]:
+    """This process's environment (the compile_cache fixture's cache included) for a child."""
     env = dict(os.environ)
-    env["JAX_COMPILATION_CACHE_DIR"] = compile_cache
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
     if devices is not None:  # simulated CPU devices
@@ -267,7 +266,7 @@ def test_one_and_four_devices_take_the_same_step(tmp_path, data_dir, compile_cac
         args = [str(CONFIG_FILE), str(data_dir), str(workdir)]
         children[name] = subprocess.Popen(
             [sys.executable, "-c", ONE_STEP, *args, json.dumps({name: (mesh, rules, devices)})],
-            env=child_env(compile_cache, devices=devices),
+            env=child_env(devices=devices),
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -323,7 +322,7 @@ def test_killed_and_restarted_run_ends_like_an_uninterrupted_one(
         "ood_jax",
         *train_argv(workdir, data_dir, total_steps=RUN_A_STEPS, checkpoint_every=2, log_every=1),
     ]
-    env = child_env(compile_cache)
+    env = child_env()
     log = tmp_path / "first_attempt.log"
     with open(log, "w") as out:
         child = subprocess.Popen(command, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
@@ -362,7 +361,7 @@ def test_sigterm_saves_the_step_it_reached_and_says_so(tmp_path, data_dir, compi
     command = [sys.executable, "-m", "ood_jax", *train_argv(workdir, data_dir, log_every=1)]
     child = subprocess.Popen(
         command,
-        env=child_env(compile_cache),
+        env=child_env(),
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -39,6 +39,7 @@ import tensorflow_datasets as tfds
 from ood_jax.data import builders, building
 from ood_jax.data.foci import (
     IMAGENET_CLASS_NAMES_FILE,
+    IMAGENET_FOLDERS,
     IMAGENET_HALVES,
     IMAGENET_VAL_SOLUTION,
     NUM_OPTIONS,
@@ -239,10 +240,11 @@ def _release_config(name: str, reads: str, example: str) -> FociConfig:
 
 
 _IMAGENET_NAMES = (
-    f"Class names: SRC/{IMAGENET_CLASS_NAMES_FILE}, the 1000 ImageNet names one per line in "
-    "class-index order (the WordNet ids' order in TFDS's imagenet2012 labels.txt, tench "
-    "first), in the wording FOCI uses: OpenAI CLIP's list (FOCI's loaders.py openai_en_classes, "
-    "open_clip's IMAGENET_CLASSNAMES; no package here ships it, so the user supplies it)."
+    "Class names: the wording FOCI uses, OpenAI CLIP's list (FOCI's loaders.py "
+    "openai_en_classes, open_clip's IMAGENET_CLASSNAMES), shipped with ood-jax, each class "
+    "asked about named by the options' groundtruth; or, to name them otherwise, "
+    f"SRC/{IMAGENET_CLASS_NAMES_FILE}: 1000 distinct names one per line in class-index order "
+    "(the WordNet ids' order in TFDS's imagenet2012 labels.txt, tench first)."
 )
 
 
@@ -450,7 +452,11 @@ class Builder(builders.SourceBuilder, tfds.core.GeneratorBasedBuilder):
             )
         groups: dict[str, str] = {}
         if config.layout == "release":
-            split = RELEASE_TEST_SPLITS[config.name](src)
+            read = RELEASE_TEST_SPLITS[config.name]
+            if config.name in IMAGENET_FOLDERS:  # the options name the classes they ask about
+                split = read(src, {item.image: item.label for _, item in entries}, options_path)
+            else:
+                split = read(src)
             items, groups = join_release(entries, split, self.report), split.groups
         elif config.layout == "imagenet21k":
             items = imagenet21k_items(entries, src)
