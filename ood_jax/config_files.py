@@ -20,7 +20,8 @@ def load(path: str | pathlib.Path, arg: str | None = None) -> ml_collections.Con
     spec = importlib.util.spec_from_file_location(f"_ood_jax_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.get_config(arg or None)
+    # As absl's config flags: a file written for them may take no argument at all.
+    return module.get_config(arg) if arg else module.get_config()
 
 
 def load_spec(spec: str) -> ml_collections.ConfigDict:

@@ -52,17 +52,17 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[tuple[str, str
 def _field(config: ml_collections.ConfigDict, name: str) -> tuple[ml_collections.ConfigDict, str]:
     """The ConfigDict holding `name` (dotted) and the field's key in it; one line if missing."""
     node, path = config, "config"
-    *parents, leaf = name.split(".")
-    for part in [*parents, leaf]:
+    parts = name.split(".")
+    for depth, part in enumerate(parts, start=1):
         if not isinstance(node, ml_collections.ConfigDict):
             raise ValueError(f"--config.{name}: {path} is a {type(node).__name__}, not a config")
         if part not in node:
             close = difflib.get_close_matches(part, list(node.keys()), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise ValueError(f"--config.{name}: {path} has no field {part!r}{hint}")
-        if part is not leaf:
+        if depth < len(parts):
             node, path = node[part], f"{path}.{part}"
-    return node, leaf
+    return node, parts[-1]
 
 
 def _literal(text: str) -> Any:

@@ -31,12 +31,12 @@ OVERRIDES = [
 ]
 
 
-def absl_config(argv: list[str]):
+def absl_config(argv: list[str], spec: str = SPEC):
     values = flags.FlagValues()
     absl_config_flags.DEFINE_config_file(
         "config", None, "", flag_values=values, lock_config=True, sys_argv=["prog", *argv]
     )
-    values(["prog", f"--config={SPEC}", *argv])
+    values(["prog", f"--config={spec}", *argv])
     return values.config
 
 
@@ -45,6 +45,20 @@ def test_overrides_read_as_absl_reads_them(argv):
     ours = config_flags.load(SPEC, config_flags.split_overrides(argv)[1])
     assert ours.to_dict() == absl_config(argv).to_dict()
     assert ours.is_locked
+
+
+def test_a_field_named_as_one_of_its_parents_is_reached(tmp_path):
+    # One-character names are one object in CPython: a path is walked by position, not identity.
+    # The file's get_config takes no argument, as absl allows.
+    spec = tmp_path / "nested.py"
+    spec.write_text(
+        "import ml_collections\n\n\ndef get_config():\n"
+        "    return ml_collections.ConfigDict({'a': {'b': {'a': 1}, 'a': 2}, 'b': 3})\n"
+    )
+    argv = ["--config.a.b.a=5", "--config.a.a=6"]
+    ours = config_flags.load(str(spec), config_flags.split_overrides(argv)[1])
+    assert ours.to_dict() == absl_config(argv, str(spec)).to_dict()
+    assert ours.to_dict() == {"a": {"b": {"a": 5}, "a": 6}, "b": 3}
 
 
 def test_the_command_line_loads_the_config_with_its_overrides():
