@@ -21,8 +21,10 @@ $(VENV)/.installed: $(VENV)/.runtime
 demo: $(VENV)/.runtime
 	$(BIN)/ood-jax demo
 
-# Two workers, each taking whole modules (module fixtures are shared by a module's tests).
-PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile
+# Two workers, each taking whole modules (module fixtures are shared by a module's tests) in
+# collection order, where tests/conftest.py puts the longest first; xdist's default would start
+# with the modules that hold the most tests and leave the multi-process ones to the end.
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 test: $(VENV)/.installed
 	$(PYTEST) --durations=25 tests

@@ -1,11 +1,15 @@
-"""Writing files so that a reader sees the old file or the whole new one, never half of one."""
+"""Writing files (and directories) so that a reader sees the old one or the whole new one, never
+half of one."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
+import shutil
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -40,3 +44,23 @@ def write_json_atomic(path: str | os.PathLike, obj: Any, indent: int | None = 2)
 def write_jsonl_atomic(path: str | os.PathLike, records: Any) -> pathlib.Path:
     """One JSON object per line."""
     return write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+
+
+@contextlib.contextmanager
+def replaced_directory(out_dir: str | os.PathLike) -> Iterator[pathlib.Path]:
+    """A staging directory beside `out_dir` to write into; when the block ends without an error
+    it takes `out_dir`'s place (the previous one, if any, removed), otherwise it is removed."""
+    out_dir = pathlib.Path(out_dir).absolute()
+    staging = out_dir.with_name(f"{out_dir.name}.incomplete-{uuid.uuid4().hex[:8]}")
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+        if out_dir.exists():
+            old = out_dir.with_name(f"{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
+            out_dir.rename(old)
+            staging.rename(out_dir)
+            shutil.rmtree(old)
+        else:
+            staging.rename(out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -16,6 +16,8 @@ def add_parsers(subparsers) -> None:
             "ood-jax export --workdir workdirs/run --out exported/run_step20 --step 20",
             "ood-jax export --workdir workdirs/synthetic_detr --out exported/detr_stablehlo "
             "--format stablehlo",
+            "ood-jax export --workdir workdirs/synthetic_detr --out exported/detr_hf "
+            "--format transformers",
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -24,11 +26,13 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     p.add_argument(
         "--format",
-        choices=("msgpack", "stablehlo"),
+        choices=("msgpack", "stablehlo", "transformers"),
         default="msgpack",
         help="msgpack: one file for ood_jax.models.load_exported (default); stablehlo: a "
         "directory with the predict function as a jax.export artifact for cpu, cuda and tpu "
-        "and its input contract, loadable with jax alone",
+        "and its input contract, loadable with jax alone; transformers (DETR): a directory "
+        "DetrForObjectDetection.from_pretrained loads (safetensors, config.json, "
+        "preprocessor_config.json)",
     )
     p.add_argument(
         "--batch-size",

@@ -40,13 +40,15 @@ __all__ = [
     "Rule",
     "Target",
     "convert",
+    "canonical_detr_key",
     "detr_from_hf",
     "detr_module_from_config",
     "load_state_dict",
     "resnet_from_torch",
 ]
 
-# transformers' DetrForObjectDetection, after `_canonical_detr_key`; Flax names mirror it.
+# transformers' DetrForObjectDetection, after `canonical_detr_key`; Flax names mirror it. Read
+# forwards by `detr_from_hf`, backwards by `transformers_export.write_detr`.
 DETR_RULES: list[Rule] = [
     (r"model\.input_projection", "input_projection", "conv"),
     (r"model\.query_position_embeddings", "query_position_embeddings", "embedding"),
@@ -75,7 +77,7 @@ _DETR_RENAMES = [
 ]
 
 
-def _canonical_detr_key(key: str) -> str:
+def canonical_detr_key(key: str) -> str:
     for pattern, repl in _DETR_RENAMES:
         key = re.sub(pattern, repl, key)
     return key
@@ -143,5 +145,5 @@ def detr_from_hf(
         "DetrForObjectDetection",
     )
     module, rules = detr_module_from_config(DetrConfig.from_pretrained(path), dtype)
-    state = {_canonical_detr_key(k): v for k, v in load_state_dict(path).items()}
+    state = {canonical_detr_key(k): v for k, v in load_state_dict(path).items()}
     return module, convert(state, rules, abstract_variables(module))

@@ -1,7 +1,7 @@
-"""PyTorch state dicts -> Flax variables: the rule machinery every converter uses, and ResNets.
+"""PyTorch state dicts <-> Flax variables: the rule machinery every converter uses, and ResNets.
 
 `convert` fills a variable tree from a state dict by a table of rules, with strict key
-accounting: nothing is skipped silently. `resnet_from_torch` reads torchvision and timm ResNets
+accounting: nothing is skipped silently; `to_state_dict` reads the same rules backwards. `resnet_from_torch` reads torchvision and timm ResNets
 (ImageNet weights, the paper's starting point); `load_state_dict` reads safetensors or torch
 checkpoints without unpickling; `timm_backbone`, `hf_backbone`, `require` and `prefixed` are what
 the transformers detector converters share about a config's ResNet backbone.
@@ -184,6 +184,64 @@ def convert(
             f"{unused}; {len(missing)} target variables unfilled {missing}"
         )
     return jax.tree.map(jnp.asarray, traverse_util.unflatten_dict(out))
+
+
+# How `convert` lays a leaf out, undone: HWIO -> OIHW, and a linear kernel transposed back.
+_TORCH_LAYOUT: dict[tuple[str, str], Callable[[np.ndarray], np.ndarray]] = {
+    ("conv", "weight"): lambda k: k.transpose(3, 2, 0, 1),
+    ("linear", "weight"): lambda k: k.T,
+}
+
+
+def to_state_dict(
+    variables: Mapping[str, Any], rules: Sequence[Rule], template: Mapping[str, tuple[int, ...]]
+) -> dict[str, np.ndarray]:
+    """`convert` backwards: the state dict with `template`'s keys and shapes (a PyTorch
+    module's own), each tensor taken from `variables` by the rule that would have read it.
+
+    Raises:
+      KeyError: a template key has no rule or no variable, or a variable is left unused.
+      ValueError: a shape disagrees with the template's.
+    """
+    sources = {
+        "/".join(path[1:]): np.asarray(leaf)
+        for path, leaf in traverse_util.flatten_dict(variables).items()
+    }
+    out: dict[str, np.ndarray] = {}
+    used: set[str] = set()
+    unfilled, errors = [], []
+    for key, shape in template.items():
+        module_path, _, leaf = key.rpartition(".")
+        found = _first_match(rules, module_path)
+        kind = found[0][2] if found else None
+        if kind is None or kind == "drop" or leaf not in _LEAVES[kind]:
+            unfilled.append(key)
+            continue
+        (_, dst, _), match = found
+        leaf_rule = _LEAVES[kind][leaf]
+        if leaf_rule is None:  # a counter (num_batches_tracked), not a weight
+            out[key] = np.zeros(shape, np.int64)
+            continue
+        base = dst(match) if callable(dst) else match.expand(dst)
+        source = f"{base}/{leaf_rule[0]}"
+        if source not in sources:
+            unfilled.append(f"{key} (<- {source}, which the variables do not have)")
+            continue
+        value = _TORCH_LAYOUT.get((kind, leaf), np.asarray)(sources[source])
+        if value.shape != tuple(shape):
+            errors.append(f"{source} -> {key}: shape {value.shape}, expected {tuple(shape)}")
+            continue
+        out[key] = np.ascontiguousarray(value, np.float32)
+        used.add(source)
+    unused = sorted(set(sources) - used)
+    if errors:
+        raise ValueError("the variables do not fit the module:\n  " + "\n  ".join(errors))
+    if unfilled or unused:
+        raise KeyError(
+            f"variables and module disagree: {len(unfilled)} tensors unfilled {unfilled}; "
+            f"{len(unused)} variables unused {unused}"
+        )
+    return out
 
 
 def resnet_from_torch(state_dict: Mapping[str, Any], module: resnet.ResNet) -> dict[str, Any]:

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import json
 import pathlib
-import shutil
-import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import export as jax_export
 
+from ood_jax import files
 from ood_jax.models import exported
 
 ARTIFACT_FILE = "predict.jax_export"
@@ -95,10 +94,12 @@ def write_stablehlo(
     out_dir: str | pathlib.Path,
     batch_size: int | None = None,
     platforms: Sequence[str] = PLATFORMS,
+    extra_files: Mapping[str, str] | None = None,
 ) -> pathlib.Path:
-    """Writes `ARTIFACT_FILE` and `CONTRACT_FILE` into `out_dir` and returns it.
+    """Writes `ARTIFACT_FILE`, `CONTRACT_FILE` and `extra_files` (name -> text) into `out_dir`
+    and returns it.
 
-    Both are written into a staging directory beside `out_dir` that then takes its place, so a
+    All are written into a staging directory beside `out_dir` that then takes its place, so a
     reader sees the previous export or the whole new one. An `out_dir` that holds anything but
     a previous export is refused.
     """
@@ -109,18 +110,9 @@ def write_stablehlo(
             "new directory"
         )
     artifact = export_predict(model, batch_size, platforms)
-    staging = out_dir.with_name(f"{out_dir.name}.incomplete-{uuid.uuid4().hex[:8]}")
-    staging.mkdir(parents=True)
-    try:
+    with files.replaced_directory(out_dir) as staging:
         (staging / ARTIFACT_FILE).write_bytes(artifact.serialize())
         (staging / CONTRACT_FILE).write_text(json.dumps(contract(model, artifact), indent=2))
-        if out_dir.exists():
-            old = out_dir.with_name(f"{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
-            out_dir.rename(old)
-            staging.rename(out_dir)
-            shutil.rmtree(old)
-        else:
-            staging.rename(out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        for name, text in (extra_files or {}).items():
+            (staging / name).write_text(text)
     return out_dir

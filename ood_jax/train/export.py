@@ -17,8 +17,8 @@ from absl import logging
 
 from ood_jax import datasets
 from ood_jax.data import pipeline
-from ood_jax.models import exported, portable
-from ood_jax.train import checkpoint, resume
+from ood_jax.models import exported, portable, transformers_export
+from ood_jax.train import checkpoint, model_card, resume
 
 
 def restore_inference_state(
@@ -66,7 +66,7 @@ def dataset_class_names(dataset: dict[str, Any]) -> list[str] | None:
         return None
 
 
-FORMATS = ("msgpack", "stablehlo")
+FORMATS = ("msgpack", "stablehlo", "transformers")
 
 
 def export(
@@ -78,10 +78,11 @@ def export(
     batch_size: int | None = None,
 ) -> pathlib.Path:
     """Writes the model of `workdir`'s newest (or `step`'s) checkpoint to `out_path`: one
-    msgpack file (`ood_jax.models.load_exported` reads it), or with "stablehlo" a
-    directory with the predict function as a `jax.export` artifact for cpu, cuda and tpu and
-    its input contract (`ood_jax.models.portable`; `batch_size` fixes the batch, which is
-    otherwise symbolic).
+    msgpack file (`ood_jax.models.load_exported` reads it); with "stablehlo" a directory with
+    the predict function as a `jax.export` artifact for cpu, cuda and tpu and its input
+    contract (`ood_jax.models.portable`; `batch_size` fixes the batch, which is otherwise
+    symbolic); with "transformers" (DETR) a directory `DetrForObjectDetection.from_pretrained`
+    loads (`ood_jax.models.transformers_export`).
 
     The config is the one saved with that checkpoint. `class_names` default to the labels of
     the config's dataset when it is prepared. Returns the absolute path written.
@@ -99,6 +100,24 @@ def export(
     config = meta["config"]
     if class_names is None:
         class_names = dataset_class_names(config["dataset"])
+    # A directory format carries the model's card.
+    card = {model_card.CARD_FILE: model_card.model_card(workdir, config, step, file_format)}
+    if file_format == "transformers":
+        if config["model"]["name"] != "detr":
+            raise ValueError(
+                f"--format transformers: the checkpoint's model is {config['model']['name']}; "
+                "this format is written for detr"
+            )
+        return transformers_export.write_detr(
+            out_path,
+            config["model"]["args"],
+            config["input"],
+            variables,
+            class_names,
+            pipeline.IMAGENET_MEAN,
+            pipeline.IMAGENET_STD,
+            extra_files=card,
+        )
     payload = exported.make_payload(
         model_config=config["model"],
         input_config=config["input"],
@@ -111,6 +130,9 @@ def export(
     )
     if file_format == "stablehlo":
         return portable.write_stablehlo(
-            exported.ExportedModel.from_payload(payload), out_path, batch_size=batch_size
+            exported.ExportedModel.from_payload(payload),
+            out_path,
+            batch_size=batch_size,
+            extra_files=card,
         )
     return exported.write_exported(out_path, payload)

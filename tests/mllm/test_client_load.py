@@ -283,8 +283,9 @@ def test_timeouts_on_a_one_at_a_time_server_do_not_pile_up_work(tmp_path):
 
     def respond(body, attempt):
         with generating:
-            # Long enough that each reply has reached its client before the next is computed.
-            time.sleep(0.1)
+            # Long enough that each reply has reached its client before the next is computed,
+            # also on two cores shared with the suite's training runs (0.1 s was not, once).
+            time.sleep(0.3)
             clock.advance(1)
         return 200, {}, completion(right_answer(body))
 

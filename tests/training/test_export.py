@@ -27,7 +27,7 @@ import tensorflow_datasets as tfds
 from flax import serialization
 
 from ood_jax.data import pipeline
-from ood_jax.models import EXPORT_FORMAT_VERSION, load_exported, registry
+from ood_jax.models import EXPORT_FORMAT_VERSION, load_exported, registry, transformers_export
 from ood_jax.train import checkpoint, train
 from ood_jax.train import export as export_lib
 
@@ -272,6 +272,11 @@ def test_stablehlo_export_runs_with_jax_alone(run, tmp_path):
     model = load_exported(run["exported"])
     contract = json.loads((out / "contract.json").read_text())
     assert contract["platforms"] == ["cpu", "cuda", "tpu"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "README.md",
+        "contract.json",
+        "predict.jax_export",
+    ]
     assert [i["shape"] for i in contract["inputs"]] == [
         ["batch", "96", "96", "3"],
         ["batch", "96", "96"],
@@ -326,3 +331,69 @@ def test_stablehlo_export_fixed_batch_replaces_refuses(run, tmp_path):
         export_lib.export(run["workdir"], tmp_path / "other", file_format="stablehlo")
     with pytest.raises(ValueError, match="unknown export format 'onnx'"):
         export_lib.export(run["workdir"], tmp_path / "x", file_format="onnx")
+
+
+# ------------------------------------------------------------------------------------------------
+# --format transformers: loaded by transformers itself.
+# ------------------------------------------------------------------------------------------------
+
+
+def test_transformers_export_loads_in_transformers_and_predicts_as_ours(run, tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from ood_jax.models import convert
+
+    out = export_lib.export(run["workdir"], tmp_path / "detr_hf", file_format="transformers")
+    model, info = transformers.DetrForObjectDetection.from_pretrained(out, output_loading_info=True)
+    assert not any(info[kind] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    model.eval()
+    exported = load_exported(run["exported"])
+    assert model.config.id2label == dict(enumerate(exported.class_names))
+    processor = transformers.DetrImageProcessor.from_pretrained(out)
+    assert processor.size == {"shortest_edge": 96, "longest_edge": 96}
+    assert list(processor.image_mean) == list(pipeline.IMAGENET_MEAN)
+    assert list(processor.image_std) == list(pipeline.IMAGENET_STD)
+
+    rng = np.random.default_rng(0)
+    images = rng.normal(size=(2, 96, 128, 3)).astype(np.float32)
+    mask = np.ones((2, 96, 128), bool)
+    mask[1, 60:, :] = False
+    mask[1, :, 80:] = False
+    ours = apply(exported.module, exported.variables, images, mask)
+    with torch.no_grad():
+        theirs = model(
+            pixel_values=torch.from_numpy(images.transpose(0, 3, 1, 2).copy()),
+            pixel_mask=torch.from_numpy(mask.astype(np.int64)),
+        )
+    for name, reference in (("logits", theirs.logits), ("boxes", theirs.pred_boxes)):
+        difference = np.abs(np.asarray(ours[name]) - reference.numpy()).max()
+        assert difference <= 1e-5, (name, difference)
+
+    # The model card says what the model is and where its numbers came from.
+    card = (out / "README.md").read_text()
+    trained = json.loads((run["workdir"] / "manifest.json").read_text())
+    assert card.startswith(f"# {run['config'].model_name}\n")
+    assert "Results at step 2" in card  # results.json is the exported step's
+    assert trained["dataset"]["digest"]["sha256"] in card
+    assert trained["checkpoint"]["digest"]["sha256"] in card
+
+    # Read back by our importer: the variables inference uses, bit for bit.
+    _, reread = convert.detr_from_hf(out)
+    written = by_path(
+        transformers_export.inference_variables(run["config"].model.args, exported.variables)
+    )
+    assert by_path(reread).keys() == written.keys()
+    for path, value in written.items():
+        np.testing.assert_array_equal(by_path(reread)[path], value, err_msg=path)
+
+
+def by_path(variables) -> dict[str, np.ndarray]:
+    """Leaves by module path, whichever collection holds them (a BatchNorm trained with batch
+    statistics keeps scale and bias in params; transformers' frozen one, in batch_stats)."""
+    flat = jax.tree_util.tree_leaves_with_path(variables)
+    return {jax.tree_util.keystr(path[1:]): np.asarray(leaf) for path, leaf in flat}
+
+
+def test_transformers_export_refuses_what_transformers_cannot_express():
+    with pytest.raises(ValueError, match=r"backbone='vit_s16'.*cannot be exported"):
+        transformers_export.detr_config({"backbone": "vit_s16", "num_classes": 3}, None)
