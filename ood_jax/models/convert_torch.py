@@ -118,6 +118,29 @@ def _first_match(rules: Sequence[Rule], module_path: str) -> tuple[Rule, re.Matc
     return None
 
 
+# What a rule table makes of a key besides a variable: nothing (a "drop" rule), or a counter.
+_DROPPED, _COUNTER = "dropped", "counter"
+
+
+def _reading(rules: Sequence[Rule], key: str) -> tuple[str, str] | str | None:
+    """How `rules` read the PyTorch tensor `key`: (kind, the Flax variable's path), _DROPPED,
+    _COUNTER (num_batches_tracked, a step count and no weight), or None when no rule reads it."""
+    module_path, _, leaf = key.rpartition(".")
+    found = _first_match(rules, module_path)
+    if found is None:
+        return None
+    (_, dst, kind), match = found
+    if kind == "drop":
+        return _DROPPED
+    if leaf not in _LEAVES[kind]:
+        return None
+    leaf_rule = _LEAVES[kind][leaf]
+    if leaf_rule is None:
+        return _COUNTER
+    base = dst(match) if callable(dst) else match.expand(dst)
+    return kind, f"{base}/{leaf_rule[0]}"
+
+
 def convert(
     state_dict: Mapping[str, Any], rules: Sequence[Rule], abstract: Mapping[str, Any]
 ) -> dict[str, Any]:
@@ -145,22 +168,13 @@ def convert(
     out: dict[tuple[str, ...], np.ndarray] = {}
     unused, errors = [], []
     for key in sorted(state_dict):
-        module_path, _, leaf = key.rpartition(".")
-        found = _first_match(rules, module_path)
-        if found is None:
+        reading = _reading(rules, key)
+        if reading is None:
             unused.append(key)
             continue
-        (_, dst, kind), match = found
-        if kind == "drop":
+        if reading in (_DROPPED, _COUNTER):
             continue
-        if leaf not in _LEAVES[kind]:
-            unused.append(key)
-            continue
-        leaf_rule = _LEAVES[kind][leaf]
-        if leaf_rule is None:
-            continue
-        base = dst(match) if callable(dst) else match.expand(dst)
-        target = f"{base}/{leaf_rule[0]}"
+        kind, target = reading
         if target not in targets:
             unused.append(f"{key} (-> {target}, which the module does not have)")
             continue
@@ -168,7 +182,7 @@ def convert(
             errors.append(f"{target} filled by both {filled[target]} and {key}")
             continue
         collection, spec = targets[target]
-        value = leaf_rule[1](to_numpy(state_dict[key]))
+        value = _LEAVES[kind][key.rpartition(".")[2]][1](to_numpy(state_dict[key]))
         if value.shape != spec.shape:
             errors.append(f"{key} -> {target}: shape {value.shape}, expected {spec.shape}")
             continue
@@ -211,19 +225,15 @@ def to_state_dict(
     used: set[str] = set()
     unfilled, errors = [], []
     for key, shape in template.items():
-        module_path, _, leaf = key.rpartition(".")
-        found = _first_match(rules, module_path)
-        kind = found[0][2] if found else None
-        if kind is None or kind == "drop" or leaf not in _LEAVES[kind]:
-            unfilled.append(key)
-            continue
-        (_, dst, _), match = found
-        leaf_rule = _LEAVES[kind][leaf]
-        if leaf_rule is None:  # a counter (num_batches_tracked), not a weight
+        reading = _reading(rules, key)
+        if reading == _COUNTER:
             out[key] = np.zeros(shape, np.int64)
             continue
-        base = dst(match) if callable(dst) else match.expand(dst)
-        source = f"{base}/{leaf_rule[0]}"
+        if reading in (None, _DROPPED):
+            unfilled.append(key)
+            continue
+        kind, source = reading
+        leaf = key.rpartition(".")[2]
         if source not in sources:
             unfilled.append(f"{key} (<- {source}, which the variables do not have)")
             continue

@@ -367,6 +367,7 @@ def test_transformers_export_loads_in_transformers_and_predicts_as_ours(run, tmp
         )
     for name, reference in (("logits", theirs.logits), ("boxes", theirs.pred_boxes)):
         difference = np.abs(np.asarray(ours[name]) - reference.numpy()).max()
+        print(f"transformers' {name} against ours: max |difference| {difference:.2e}")
         assert difference <= 1e-5, (name, difference)
 
     # The model card says what the model is and where its numbers came from.
