@@ -21,10 +21,10 @@ $(VENV)/.installed: $(VENV)/.runtime
 demo: $(VENV)/.runtime
 	$(BIN)/ood-jax demo
 
-# Two workers, each taking whole modules (module fixtures are shared by a module's tests) in
-# collection order, where tests/conftest.py puts the longest first; xdist's default would start
-# with the modules that hold the most tests and leave the multi-process ones to the end.
-PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+# Two workers, each taking whole modules (module fixtures are shared by a module's tests), the
+# modules with the most tests first (xdist's order: measured 34 min against 37 min for the
+# multi-process modules first, which then run side by side).
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 test: $(VENV)/.installed
 	$(PYTEST) --durations=25 tests

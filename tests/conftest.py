@@ -91,16 +91,3 @@ def _warn_not_removed(function, path, excinfo) -> None:
     # A file a module's process still writes may refuse removal; that is no test failure, but
     # the disk it keeps should show in the summary rather than go unnoticed.
     warnings.warn(f"could not remove {path}: {excinfo[1]}", stacklevel=1)
-
-
-# The areas whose modules take minutes run first: `make test`'s two workers (pytest-xdist,
-# --dist loadfile) then end together instead of one finishing a long module alone.
-FIRST_AREAS = ("multihost", "training")
-
-
-def pytest_collection_modifyitems(items):
-    def area_rank(item) -> int:
-        area = item.path.parent.name
-        return FIRST_AREAS.index(area) if area in FIRST_AREAS else len(FIRST_AREAS)
-
-    items.sort(key=area_rank)  # stable: each module keeps its order
