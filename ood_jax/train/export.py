@@ -100,8 +100,12 @@ def export(
     config = meta["config"]
     if class_names is None:
         class_names = dataset_class_names(config["dataset"])
-    # A directory format carries the model's card.
-    card = {model_card.CARD_FILE: model_card.model_card(workdir, config, step, file_format)}
+    # A directory format carries the model's card; the msgpack file has no place for it.
+    card = (
+        {model_card.CARD_FILE: model_card.model_card(workdir, config, step, file_format)}
+        if file_format != "msgpack"
+        else {}
+    )
     if file_format == "transformers":
         if config["model"]["name"] != "detr":
             raise ValueError(
