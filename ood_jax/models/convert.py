@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 # transformers' DetrForObjectDetection, after `canonical_detr_key`; Flax names mirror it. Read
-# forwards by `detr_from_hf`, backwards by `transformers_export.write_detr`.
+# forwards by `detr_from_hf`, backwards by `transformers_export.write`.
 DETR_RULES: list[Rule] = [
     (r"model\.input_projection", "input_projection", "conv"),
     (r"model\.query_position_embeddings", "query_position_embeddings", "embedding"),

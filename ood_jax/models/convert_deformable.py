@@ -149,13 +149,24 @@ _DINO_RENAMES = [
 ]
 
 
+def _renamed(key: str, renames: list[tuple[str, str]]) -> str:
+    for pattern, repl in renames:
+        key = re.sub(pattern, repl, key)
+    return key
+
+
+def canonical_hf_key(key: str) -> str:
+    """A transformers Deformable DETR key (saved or live name) as `DEFORMABLE_DETR_RULES` and
+    the backbone rules read it."""
+    return _renamed(key, _HF_RENAMES)
+
+
 def _canonical_keys(
     state: Mapping[str, Any], renames: list[tuple[str, str]]
 ) -> dict[str, np.ndarray]:
     out = {}
     for key, value in state.items():
-        for pattern, repl in renames:
-            key = re.sub(pattern, repl, key)
+        key = _renamed(key, renames)
         value = convert_torch.to_numpy(value)
         packed = re.fullmatch(r"(.*\.self_attn)\.in_proj_(weight|bias)", key)
         if packed:
@@ -293,6 +304,11 @@ def deformable_detr_from_config(
         dtype=dtype,
     )
     return module, backbone_rules + DEFORMABLE_DETR_RULES, state
+
+
+def deformable_detr_rules(config: Any) -> list[Rule]:
+    """The rules reading the (canonical) checkpoint of a `DeformableDetrConfig`'s model."""
+    return _backbone(config, jnp.float32)[3] + DEFORMABLE_DETR_RULES
 
 
 def deformable_detr_from_hf(

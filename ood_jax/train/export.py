@@ -81,8 +81,8 @@ def export(
     msgpack file (`ood_jax.models.load_exported` reads it); with "stablehlo" a directory with
     the predict function as a `jax.export` artifact for cpu, cuda and tpu and its input
     contract (`ood_jax.models.portable`; `batch_size` fixes the batch, which is otherwise
-    symbolic); with "transformers" (DETR) a directory `DetrForObjectDetection.from_pretrained`
-    loads (`ood_jax.models.transformers_export`).
+    symbolic); with "transformers" (DETR, Deformable DETR) a directory transformers'
+    `from_pretrained` loads (`ood_jax.models.transformers_export`).
 
     The config is the one saved with that checkpoint. `class_names` default to the labels of
     the config's dataset when it is prepared. Returns the absolute path written.
@@ -107,13 +107,9 @@ def export(
         else {}
     )
     if file_format == "transformers":
-        if config["model"]["name"] != "detr":
-            raise ValueError(
-                f"--format transformers: the checkpoint's model is {config['model']['name']}; "
-                "this format is written for detr"
-            )
-        return transformers_export.write_detr(
+        return transformers_export.write(
             out_path,
+            config["model"]["name"],
             config["model"]["args"],
             config["input"],
             variables,
