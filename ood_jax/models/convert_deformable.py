@@ -355,6 +355,15 @@ def _shape(state: Mapping[str, np.ndarray], key: str) -> tuple[int, ...]:
     return state[key].shape
 
 
+def dino_rules() -> list[Rule]:
+    """The rules reading an IDEA-Research DINO state dict (ResNet backbone) after
+    `_canonical_keys`."""
+    backbone = convert_torch.prefixed(
+        convert_torch.TORCHVISION_RESNET_RULES, r"backbone\.0\.body\.", "backbone/"
+    )
+    return backbone + DINO_RULES
+
+
 def dino_from_official(
     state_dict: Mapping[str, Any],
     *,
@@ -407,10 +416,7 @@ def dino_from_official(
         backbone_stages=tuple(f"stage{i}" for i in range(5 - backbone_levels, 5)),
         dtype=dtype,
     )
-    rules = convert_torch.prefixed(
-        convert_torch.TORCHVISION_RESNET_RULES, r"backbone\.0\.body\.", "backbone/"
-    )
-    return module, convert_torch.convert(state, rules + DINO_RULES, _abstract(module, num_queries))
+    return module, convert_torch.convert(state, dino_rules(), _abstract(module, num_queries))
 
 
 def load_official_dino(path: str | os.PathLike, **kwargs: Any) -> tuple[dino.DINO, dict[str, Any]]:

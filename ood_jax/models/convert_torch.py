@@ -254,6 +254,70 @@ def to_state_dict(
     return out
 
 
+# `convert`'s leaf names backwards: kind -> Flax leaf -> PyTorch leaf.
+_TORCH_LEAVES = {
+    kind: {rule[0]: leaf for leaf, rule in leaves.items() if rule is not None}
+    for kind, leaves in _LEAVES.items()
+}
+# A rule's capturing groups (not `(?:...)` or other extensions).
+_GROUP = re.compile(r"\((?!\?)[^()]*\)")
+
+
+def _backwards(rule: Rule) -> tuple[re.Pattern, Callable[[re.Match], str]] | None:
+    """(regex over our module paths, their source module path) of a rule with a template
+    target; None for a drop rule. Each `\\N` of the target matches what the source's group N
+    matches."""
+    pattern, target, _ = rule
+    if target is None:
+        return None
+    if callable(target):
+        raise ValueError(f"rule {pattern!r}: a computed target cannot be read backwards")
+    groups = [g[1:-1] for g in _GROUP.findall(pattern)]
+    regex, seen = "", set()
+    for i, part in enumerate(re.split(r"\\(\d)", target)):
+        if i % 2 == 0:
+            regex += re.escape(part)
+            continue
+        n = int(part)
+        regex += f"(?P=g{n})" if n in seen else f"(?P<g{n}>{groups[n - 1]})"
+        seen.add(n)
+    if seen != set(range(1, len(groups) + 1)):
+        raise ValueError(f"rule {pattern!r}: its target does not name every group")
+
+    def source(match: re.Match) -> str:
+        values = iter(match[f"g{n}"] for n in range(1, len(groups) + 1))
+        key = re.sub(r"\\(.)", r"\1", _GROUP.sub(lambda _: next(values), pattern))
+        if not re.fullmatch(pattern, key):
+            raise ValueError(f"rule {pattern!r} cannot be read backwards (it gives {key!r})")
+        return key
+
+    return re.compile(regex), source
+
+
+def state_dict_template(
+    abstract: Mapping[str, Any], rules: Sequence[Rule]
+) -> dict[str, tuple[int, ...]]:
+    """The PyTorch keys and shapes `rules` read the variables `abstract` from: a template for
+    `to_state_dict` where no PyTorch module is at hand. Rules with computed targets cannot be
+    read backwards (ValueError); a variable no rule writes is a KeyError."""
+    readers = [(_backwards(rule), rule[2]) for rule in rules if rule[2] != "drop"]
+    template = {}
+    for path, leaf in traverse_util.flatten_dict(abstract).items():
+        module_path, name = "/".join(path[1:-1]), path[-1]
+        for (regex, source), kind in readers:
+            match = regex.fullmatch(module_path)
+            if match and name in _TORCH_LEAVES[kind]:
+                torch_leaf = _TORCH_LEAVES[kind][name]
+                layout = _TORCH_LAYOUT.get((kind, torch_leaf))
+                # A zero-stride view: the layout's shape without its memory.
+                view = np.broadcast_to(np.float32(0), leaf.shape)
+                template[f"{source(match)}.{torch_leaf}"] = (layout(view) if layout else view).shape
+                break
+        else:
+            raise KeyError(f"{'/'.join(path)}: no rule writes this variable")
+    return template
+
+
 def resnet_from_torch(state_dict: Mapping[str, Any], module: resnet.ResNet) -> dict[str, Any]:
     """torchvision/timm ResNet state dict -> variables of `module` (its `norm` decides where
     BatchNorm tensors go). The classifier `fc` is dropped."""
