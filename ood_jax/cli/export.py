@@ -18,6 +18,7 @@ def add_parsers(subparsers) -> None:
             "--format stablehlo",
             "ood-jax export --workdir workdirs/synthetic_detr --out exported/detr_hf "
             "--format transformers",
+            "ood-jax export --workdir workdirs/counts_dino --out exported/dino_idea --format pytorch",
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -26,13 +27,15 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     p.add_argument(
         "--format",
-        choices=("msgpack", "stablehlo", "transformers"),
+        choices=("msgpack", "stablehlo", "transformers", "pytorch"),
         default="msgpack",
         help="msgpack: one file for ood_jax.models.load_exported (default); stablehlo: a "
         "directory with the predict function as a jax.export artifact for cpu, cuda and tpu "
-        "and its input contract, loadable with jax alone; transformers (DETR): a directory "
-        "DetrForObjectDetection.from_pretrained loads (safetensors, config.json, "
-        "preprocessor_config.json)",
+        "and its input contract, loadable with jax alone; transformers (DETR, Deformable DETR): a "
+        "directory transformers' from_pretrained loads (safetensors, config.json, "
+        "preprocessor_config.json); pytorch (DINO): a directory with IDEA-Research/DINO's "
+        "checkpoint.pth and the config fields it needs (dino_args.json). Every directory "
+        "carries the model's card (README.md)",
     )
     p.add_argument(
         "--batch-size",

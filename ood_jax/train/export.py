@@ -17,7 +17,7 @@ from absl import logging
 
 from ood_jax import datasets
 from ood_jax.data import pipeline
-from ood_jax.models import exported, portable, transformers_export
+from ood_jax.models import dino_export, exported, portable, transformers_export
 from ood_jax.train import checkpoint, model_card, resume
 
 
@@ -66,7 +66,7 @@ def dataset_class_names(dataset: dict[str, Any]) -> list[str] | None:
         return None
 
 
-FORMATS = ("msgpack", "stablehlo", "transformers")
+FORMATS = ("msgpack", "stablehlo", "transformers", "pytorch")
 
 
 def export(
@@ -82,7 +82,8 @@ def export(
     the predict function as a `jax.export` artifact for cpu, cuda and tpu and its input
     contract (`ood_jax.models.portable`; `batch_size` fixes the batch, which is otherwise
     symbolic); with "transformers" (DETR, Deformable DETR) a directory transformers'
-    `from_pretrained` loads (`ood_jax.models.transformers_export`).
+    `from_pretrained` loads (`ood_jax.models.transformers_export`); with "pytorch" (DINO) a
+    directory with IDEA-Research/DINO's checkpoint.pth (`ood_jax.models.dino_export`).
 
     The config is the one saved with that checkpoint. `class_names` default to the labels of
     the config's dataset when it is prepared. Returns the absolute path written.
@@ -117,6 +118,16 @@ def export(
             pipeline.IMAGENET_MEAN,
             pipeline.IMAGENET_STD,
             extra_files=card,
+        )
+    if file_format == "pytorch":
+        if config["model"]["name"] != "dino":
+            raise ValueError(
+                f"--format pytorch: the checkpoint's model is {config['model']['name']}; this "
+                "format is IDEA-Research/DINO's checkpoint, written for dino (detr and "
+                "deformable_detr go to PyTorch as --format transformers)"
+            )
+        return dino_export.write_official_dino(
+            out_path, config["model"]["args"], variables, extra_files=card
         )
     payload = exported.make_payload(
         model_config=config["model"],

@@ -566,3 +566,10 @@ def test_dino_smoke_run_keeps_the_frozen_backbone_and_exports(tmp_path, data_dir
     detections = model.predict(np.zeros((90, 120, 3), np.uint8))
     num_pairs = config.model.args.num_queries * config.model.args.num_classes
     assert detections["scores"].shape == (min(300, num_pairs),)
+    # The PyTorch formats: IDEA-Research/DINO's layout takes a ResNet-50/101 at width 256, which
+    # this smoke model is not (tests/models/test_dino_export.py writes one that is).
+    with pytest.raises(ValueError, match=r"config\.model\.args\.backbone=.*IDEA-Research/DINO"):
+        export.export(workdir, tmp_path / "idea", file_format="pytorch")
+    with pytest.raises(ValueError, match="model is dino; this format is written for detr and"):
+        export.export(workdir, tmp_path / "hf", file_format="transformers")
+    assert not (tmp_path / "idea").exists() and not (tmp_path / "hf").exists()
