@@ -1,10 +1,12 @@
 """glibc's malloc set to keep freed memory, for XLA:CPU's per-step buffers.
 
-glibc reads its settings (`GLIBC_TUNABLES`) only when a process starts, so the `ood-jax` command
-and the benchmarks restart themselves once with them set (`restart_keeping_freed_memory`): the
-process then keeps its peak heap until it exits, as GPU allocators do. `OOD_JAX_MALLOC=system`
-keeps the process as started; a malloc in `LD_PRELOAD` (jemalloc, tcmalloc, mimalloc) is left
-alone, and so is a process that will compute on a GPU or TPU.
+glibc reads its settings (`GLIBC_TUNABLES`) only when a process starts, so the `ood-jax` commands
+that run large compiled steps (`__main__.RESTARTS`) and the benchmarks restart themselves once
+with them set (`restart_keeping_freed_memory`): the process then keeps its peak heap until it
+exits, as GPU allocators do. The restarted process puts the user's environment back at once, so
+its children (subprocesses, multiprocessing, Beam workers) start as the user set them.
+`OOD_JAX_MALLOC=system` keeps the process as started; a malloc in `LD_PRELOAD` (jemalloc,
+tcmalloc, mimalloc) is left alone, and so is a process that will compute on a GPU or TPU.
 """
 
 from __future__ import annotations
@@ -19,8 +21,12 @@ from collections.abc import Mapping
 OPT_OUT_ENV = "OOD_JAX_MALLOC"
 OPT_OUT_VALUE = "system"
 TUNABLES_ENV = "GLIBC_TUNABLES"
-# What GLIBC_TUNABLES was before the restart ("" for unset), for `default_environ`.
+# What GLIBC_TUNABLES was before the restart ("" for unset): set only across the exec, it also
+# tells the restarted process that it is one.
 BEFORE_ENV = "OOD_JAX_GLIBC_TUNABLES_BEFORE"
+# The environment the kernel handed this process at exec, which glibc and ld.so read; later
+# changes to os.environ do not reach it.
+START_ENVIRON_FILE = pathlib.Path("/proc/self/environ")
 THP_MODE_FILE = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 # XLA:CPU allocates a step's whole temporary buffer anew on every call (5.6 GB for a DINO train
@@ -100,10 +106,23 @@ def restart_tunables(
     return ":".join(f"{k}={v}" for k, v in {**present, **missing}.items())
 
 
+# Once per process: after the restart os.environ holds the user's tunables again, and a second
+# call must not read that as a process still to restart.
+_restart_decided = False
+
+
 def restart_keeping_freed_memory() -> None:
     """Replaces this process with itself under `restart_tunables` (same pid, arguments and
-    environment otherwise); returns when there is nothing to change. Call it first thing in an
-    entry point, before anything has been allocated or written."""
+    environment otherwise); returns when there is nothing to change, in the restarted process,
+    or, with one warning, when the restart fails. Call it first thing in an entry point, before
+    anything has been allocated, written or started."""
+    global _restart_decided
+    if _restart_decided:
+        return
+    _restart_decided = True
+    if BEFORE_ENV in os.environ:
+        _put_back_users_tunables()  # glibc has read them: the restarted process
+        return
     tunables = restart_tunables(os.environ, platform.libc_ver(), thp_mode(), computes_on_cpu())
     if tunables is None:
         return
@@ -111,23 +130,62 @@ def restart_keeping_freed_memory() -> None:
     os.environ[TUNABLES_ENV] = tunables
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+    try:
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+    except (OSError, ValueError) as e:  # ValueError: no interpreter path (embedded Python)
+        # Nothing has changed yet but the environment: run on as started, and say so once.
+        _put_back_users_tunables()
+        reason = getattr(e, "strerror", None) or str(e)
+        print(
+            f"warning: no restart to keep freed memory ({reason}: {sys.executable!r}); "
+            "running on glibc's default malloc",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _put_back_users_tunables() -> None:
+    """os.environ as the user started the process: children inherit it, and glibc reads
+    tunables only at a process's start, so this process keeps the ones it started with."""
+    before = os.environ.pop(BEFORE_ENV)
+    if before:
+        os.environ[TUNABLES_ENV] = before
+    else:
+        os.environ.pop(TUNABLES_ENV, None)
+
+
+def start_environ() -> dict[str, str]:
+    """The environment this process was started with (what glibc's malloc and ld.so read), or
+    os.environ where the system does not show it."""
+    try:
+        items = START_ENVIRON_FILE.read_bytes().split(b"\0")
+    except OSError:
+        return dict(os.environ)
+    environ: dict[str, str] = {}
+    last = None
+    for item in map(os.fsdecode, filter(None, items)):
+        # glibc (2.36 at least) parses GLIBC_TUNABLES in place, ending each tunable with a NUL
+        # where its ':' was: "GLIBC_TUNABLES=a=1:b=2" reads here as "GLIBC_TUNABLES=a=1", "b=2".
+        if last == TUNABLES_ENV and item.startswith("glibc."):
+            environ[TUNABLES_ENV] += ":" + item
+            continue
+        last, _, value = item.partition("=")
+        environ[last] = value
+    return environ
 
 
 def default_environ(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """`environ` for a child process that should run on glibc's default malloc, as it would
-    have been without the restart (a benchmark's reference side, measured by its peak RSS)."""
-    child = {k: v for k, v in environ.items() if k != BEFORE_ENV}
-    child[OPT_OUT_ENV] = OPT_OUT_VALUE
-    if BEFORE_ENV in environ:
-        child.pop(TUNABLES_ENV, None)
-        if environ[BEFORE_ENV]:
-            child[TUNABLES_ENV] = environ[BEFORE_ENV]
-    return child
+    have been without the restart (a benchmark's reference side, measured by its peak RSS).
+    The restart has put the user's tunables back already; this only keeps an ood-jax child
+    from restarting."""
+    return {**environ, OPT_OUT_ENV: OPT_OUT_VALUE}
 
 
-def describe(environ: Mapping[str, str] = os.environ) -> str:
-    """The malloc this process runs on, in words, for benchmark headers."""
+def describe(environ: Mapping[str, str] | None = None) -> str:
+    """The malloc a process started with `environ` runs on, in words, for benchmark headers;
+    by default this process's, from the environment it really started with."""
+    environ = start_environ() if environ is None else environ
     preloaded = _preloaded_malloc(environ)
     if preloaded:
         return f"{preloaded} (LD_PRELOAD)"
