@@ -13,24 +13,35 @@ detections, ...), evaluates it once (which keeps the per-image matches) and time
            any COCO evaluator here, see bench/coco_eval.py), for 20 of the same
            resamples, extrapolated to 1000.
 
-The peer's 20 APs must equal ours on the same resamples (max abs difference <= 1e-12 over
-AP, AP50 and AP75); the exit status is 1 when they do not.
+Both sides are timed the same way, alternating (`common.time_alternating`): `--warmup`
+untimed calls each (ours: the whole computation; peer: one extra resample), then `--steps`
+timed calls; ours runs all resamples per call, the peer an equal share of its
+`--peer-resamples` per call (building each resampled dataset is timed apart and left out).
+Each side's figure is the median call, scaled to `--resamples` resamples.
+
+The peer's APs must equal ours on the same resamples (max abs difference <= 1e-12 over
+AP, AP50 and AP75); the exit status is 1 when they do not. The last line is
+`common.result_line`'s (seconds for `--resamples` resamples).
 
     python bench/ap_bootstrap.py [--images 5000] [--resamples 1000] [--peer-resamples 20]
-                                 [--seed 0]
+                                 [--steps 3] [--warmup 1] [--seed 0] [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
+import statistics
 import sys
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import common  # noqa: E402  (bench/, the directory of this script)
 
 from ood_jax.metrics import bootstrap, coco  # noqa: E402
 from ood_jax.testing.coco_cases import random_case  # noqa: E402
@@ -62,7 +73,15 @@ def main(argv=None) -> int:
     ap.add_argument("--resamples", type=int, default=1000)
     ap.add_argument("--peer-resamples", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=3, help="timed calls of each side")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed calls of each side first")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, 1 step: for the tests")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.images, args.resamples, args.peer_resamples = 30, 20, 1
+        args.steps, args.warmup = 1, 1
+    if min(args.steps, args.resamples, args.peer_resamples) < 1 or args.warmup < 0:
+        ap.error("need --steps, --resamples, --peer-resamples >= 1 and --warmup >= 0")
 
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     print(f"machine: {platform.machine()} {platform.processor() or ''}".rstrip())
@@ -86,24 +105,45 @@ def main(argv=None) -> int:
     weights, t_weights = _timed(
         bootstrap.resample_weights, len(matches.image_ids), args.resamples, args.seed, "bench"
     )
-    cpu0 = time.process_time()
-    ours, t_ours = _timed(bootstrap.ap_resamples, matches, weights)
-    cpu_ours = time.process_time() - cpu0
+    # The peer's resamples in weights' order: one per warm-up call, then an equal share per
+    # timed call (its figure is a call's evaluation seconds scaled to --resamples).
+    per_call = math.ceil(args.peer_resamples / args.steps)
+    sizes = [1] * args.warmup + [per_call] * args.steps
+    if sum(sizes) > args.resamples:
+        raise SystemExit("--peer-resamples, --warmup and --steps need more --resamples")
+    peer, peer_eval_s, ours_cpu, ours_runs = [], [], [], []
+
+    def run_ours():
+        cpu0 = time.process_time()
+        ours_runs.append(bootstrap.ap_resamples(matches, weights))
+        ours_cpu.append(time.process_time() - cpu0)
+
+    def run_peer_call():
+        start = len(peer)
+        done = run_peer(gt, dets, weights[start : start + sizes[len(peer_eval_s)]])
+        peer.extend(done)
+        peer_eval_s.append(sum(p[2] for p in done))
+
+    runs = common.time_alternating(
+        {"ours": run_ours, "peer": run_peer_call}, args.steps, args.warmup
+    )
+    ours = ours_runs[-1]
+    t_ours = statistics.median(runs["ours"])
+    cpu_ours = statistics.median(ours_cpu[args.warmup :])
     low, high = bootstrap.centered_interval(result.stats["AP"], ours["AP"])
+    stat = f"median of {args.steps} after {args.warmup} warm-up, alternating"
     print(
         f"ours: {args.resamples} resamples in {t_ours:.2f}s ({cpu_ours:.2f}s of CPU time; "
-        f"+ {t_weights:.2f}s drawing the weights); AP {result.stats['AP']:.4f}, 95% interval "
-        f"[{low:.4f}, {high:.4f}], bootstrap s.e. {np.std(ours['AP'], ddof=1):.4f}"
+        f"+ {t_weights:.2f}s drawing the weights; {stat}); AP {result.stats['AP']:.4f}, 95% "
+        f"interval [{low:.4f}, {high:.4f}], bootstrap s.e. {np.std(ours['AP'], ddof=1):.4f}"
     )
-
-    peer = run_peer(gt, dets, weights[: args.peer_resamples])
-    t_build = sum(p[1] for p in peer)
-    t_peer = sum(p[2] for p in peer)
-    scale = args.resamples / len(peer)
+    t_build = sum(p[1] for p in peer[args.warmup :])
+    t_peer = statistics.median(peer_eval_s[args.warmup :])
+    scale = args.resamples / per_call
     print(
-        f"peer: {len(peer)} explicit resamples evaluated in {t_peer:.2f}s "
-        f"(+ {t_build:.2f}s building them) -> {t_peer * scale:.0f}s for {args.resamples} "
-        f"({t_peer * scale / 60:.1f} min; {(t_peer + t_build) * scale / 60:.1f} min with building)"
+        f"peer: {per_call} explicit resamples per call evaluated in {t_peer:.2f}s ({stat}; "
+        f"{t_build:.2f}s building all {args.steps * per_call} timed ones, not counted) -> "
+        f"{t_peer * scale:.0f}s for {args.resamples} ({t_peer * scale / 60:.1f} min)"
     )
     print()
 
@@ -121,6 +161,17 @@ def main(argv=None) -> int:
         (f"peer (extrapolated to {args.resamples})", t_peer * scale),
     ):
         print(f"{name:<34}{t:>10.2f}{t / t_ours:>22.1f}")
+    common.result_line(
+        "ap_bootstrap",
+        t_ours,
+        "explicit resampled datasets through coco.evaluate (extrapolated)",
+        t_peer * scale,
+        stat,
+        resamples=args.resamples,
+        peer_resamples_timed=args.steps * per_call,
+        images=args.images,
+        agree=ok,
+    )
     return 0 if ok else 1
 
 

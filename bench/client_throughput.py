@@ -11,10 +11,12 @@ does with --concurrency; the baseline's rounds and ours alternate, `--rounds` of
 `--warmup`.
 
     python bench/client_throughput.py [--baseline HEAD|REV|FILE] [--concurrency 32]
-        [--requests 2000] [--rounds 5] [--warmup 1] [--reply-ms 0]
+        [--requests 2000] [--rounds 5] [--warmup 1] [--reply-ms 0] [--smoke]
 
-`--baseline`: a git revision of this repository or a file holding the client.
-The last line is one JSON object: both rates and their ratio (ours / baseline).
+`--baseline`: a git revision of this repository or a file holding the client. Both clients are
+loaded (the baseline from git) before the timing, and get the same warm-up rounds and statistic.
+The last line is `common.result_line`'s: median seconds per round of ours and of the baseline,
+ratio baseline / ours (= our rate / the baseline's), and both rates.
 """
 
 from __future__ import annotations
@@ -60,7 +62,10 @@ def _parse_args() -> argparse.Namespace:
         "--reply-ms", type=float, default=0.0, help="how long the server takes over a reply"
     )
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help="tiny rounds: for the tests")
     args = parser.parse_args()
+    if args.smoke:
+        args.concurrency, args.requests, args.rounds, args.warmup = 4, 20, 1, 1
     if min(args.concurrency, args.requests, args.rounds) < 1 or min(args.warmup, args.reply_ms) < 0:
         parser.error("need --concurrency, --requests, --rounds >= 1, --warmup, --reply-ms >= 0")
     return args
@@ -177,7 +182,8 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait()
-    rate = {name: args.requests / statistics.median(t) for name, t in times.items()}
+    median = {name: statistics.median(t) for name, t in times.items()}
+    rate = {name: args.requests / median[name] for name, t in times.items()}
     print(
         f"OpenAIChatClient, {args.requests} text requests per round at concurrency "
         f"{args.concurrency} against a loopback keep-alive server replying in "
@@ -190,17 +196,19 @@ def main() -> None:
     )
     for name, t in times.items():
         print(f"  {name:8s} {common.summary(t)} s: {rate[name]:8.1f} requests/s")
-    result = {
-        "benchmark": "client_throughput",
-        "concurrency": args.concurrency,
-        "requests": args.requests,
-        "reply_ms": args.reply_ms,
-        "baseline": args.baseline,
-        "baseline_rps": round(rate["baseline"], 1),
-        "ours_rps": round(rate["ours"], 1),
-        "ratio": round(rate["ours"] / rate["baseline"], 2),
-    }
-    print(json.dumps(result))
+    common.result_line(
+        "client_throughput",
+        median["ours"],
+        f"OpenAIChatClient at {args.baseline}",
+        median["baseline"],
+        common.stat_text(args.rounds, args.warmup),
+        concurrency=args.concurrency,
+        requests=args.requests,
+        reply_ms=args.reply_ms,
+        baseline=args.baseline,
+        baseline_rps=round(rate["baseline"], 1),
+        ours_rps=round(rate["ours"], 1),
+    )
 
 
 if __name__ == "__main__":

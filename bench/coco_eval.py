@@ -5,16 +5,20 @@ Builds a val2017-sized random case (``ood_jax.testing.coco_cases.val2017_like``:
 5000 images, 80 categories, ~7 gt and 100 detections per image, with crowd
 regions, tied scores, >100-detection groups, ...) and times, in one run:
 
-  * ours:              ``ood_jax.metrics.coco.evaluate(gt, detections)`` (twice:
-                       the first call includes any warm-up, the best is reported too)
+  * ours:              ``ood_jax.metrics.coco.evaluate(gt, detections)``
   * pycocotools:       COCO + loadRes + COCOeval evaluate/accumulate/summarize
   * faster-coco-eval:  its COCO + loadRes + COCOeval_faster evaluate/accumulate/summarize
 
-checks the peers agree with ours within 1e-6 (max abs difference over the 12
-numbers) and prints a table of seconds and ratios (peer time / ours).
+each the same way: imported before any timing, `--warmup` untimed calls, then the
+median of `--steps` timed calls, the three alternating (`common.time_alternating`).
+The peers write into the dicts they are given, so each of their calls gets fresh
+copies, made outside the timing. Checks the peers agree with ours within 1e-6 (max
+abs difference over the 12 numbers) and prints a table of seconds and ratios (peer
+time / ours). The last line is `common.result_line`'s, against faster-coco-eval
+(else pycocotools), with every peer under "peers".
 
-    python bench/coco_eval.py [--images 5000] [--seed 0] [--skip-pycocotools]
-                              [--skip-faster-coco-eval]
+    python bench/coco_eval.py [--images 5000] [--seed 0] [--steps 3] [--warmup 1]
+                              [--skip-pycocotools] [--skip-faster-coco-eval] [--smoke]
 
 Exit status 1 when a peer disagrees by more than the tolerance.
 """
@@ -26,12 +30,15 @@ import contextlib
 import io
 import os
 import platform
+import statistics
 import sys
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import common  # noqa: E402  (bench/, the directory of this script)
 
 from ood_jax.metrics import coco  # noqa: E402
 from ood_jax.testing.coco_cases import val2017_like  # noqa: E402
@@ -98,7 +105,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-pycocotools", action="store_true")
     ap.add_argument("--skip-faster-coco-eval", action="store_true")
+    ap.add_argument("--steps", type=int, default=3, help="timed calls of each")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed calls of each first")
+    ap.add_argument("--smoke", action="store_true", help="20 images, 1 step: for the tests")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.images, args.steps, args.warmup = 20, 1, 1
+    if args.steps < 1 or args.warmup < 0:
+        ap.error("need --steps >= 1 and --warmup >= 0")
 
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     print(f"machine: {platform.machine()} {platform.processor() or ''}".rstrip())
@@ -114,29 +128,37 @@ def main(argv=None) -> int:
     )
     print()
 
-    times: dict[str, float] = {}
-    results: dict[str, np.ndarray] = {}
-
-    ours1, t1 = _timed(run_ours, gt, dets)
-    ours2, t2 = _timed(run_ours, gt, dets)
-    times["ours (first)"] = t1
-    times["ours (best of 2)"] = min(t1, t2)
-    if not np.array_equal(ours1, ours2):
-        print("WARNING: ours is not deterministic across runs:", np.abs(ours1 - ours2).max())
-    results["ours"] = ours1
-    ref_time = times["ours (best of 2)"]
-
-    peers = []
+    # Imports outside the timing: the first call of a peer would otherwise pay for them.
+    peers = {}
     if not args.skip_pycocotools:
-        peers.append(("pycocotools", run_pycocotools))
-    if not args.skip_faster_coco_eval:
-        peers.append(("faster-coco-eval", run_faster_coco_eval))
-    for name, fn in peers:
         try:
-            g, d = _fresh_copies(gt, dets)
-            results[name], times[name] = _timed(fn, g, d)
+            import pycocotools.cocoeval  # noqa: F401
+
+            peers["pycocotools"] = run_pycocotools
         except ImportError as e:
-            print(f"{name}: not available ({e})")
+            print(f"pycocotools: not available ({e})")
+    if not args.skip_faster_coco_eval:
+        try:
+            import faster_coco_eval  # noqa: F401
+
+            peers["faster-coco-eval"] = run_faster_coco_eval
+        except ImportError as e:
+            print(f"faster-coco-eval: not available ({e})")
+
+    results: dict[str, list[np.ndarray]] = {name: [] for name in ("ours", *peers)}
+
+    def keep(name, fn):
+        return lambda *a: results[name].append(fn(*a))
+
+    fns = {"ours": keep("ours", run_ours), **{n: keep(n, fn) for n, fn in peers.items()}}
+    setup = {"ours": lambda: (gt, dets), **{n: lambda: _fresh_copies(gt, dets) for n in peers}}
+    load = os.getloadavg()[0]
+    runs = common.time_alternating(fns, args.steps, args.warmup, setup)
+    times = {name: statistics.median(t) for name, t in runs.items()}
+    if any(not np.array_equal(r, results["ours"][0]) for r in results["ours"]):
+        print("WARNING: ours is not deterministic across runs")
+    results = {name: r[0] for name, r in results.items()}
+    ref_time = times["ours"]
 
     # ------------------------------------------------------------- agreement
     ok = True
@@ -167,11 +189,31 @@ def main(argv=None) -> int:
     print()
 
     # ---------------------------------------------------------------- timing
-    print(f"{'implementation':<20}{'seconds':>10}{'ratio (time / ours best)':>28}")
+    stat = common.stat_text(args.steps, args.warmup)
+    print(
+        f"seconds: {stat}, each side imported and warmed up alike; peers get fresh copies of "
+        f"the dicts outside the timing; load average {load:.1f} before"
+    )
+    print(f"{'implementation':<20}{'seconds':>10}{'ratio (time / ours)':>24}")
     for name, t in times.items():
-        print(f"{name:<20}{t:>10.3f}{t / ref_time:>28.2f}")
+        print(f"{name:<20}{t:>10.3f}{t / ref_time:>24.2f}")
     print()
     print("all agree within 1e-6" if ok else "DISAGREEMENT beyond 1e-6")
+    headline = next((n for n in ("faster-coco-eval", "pycocotools") if n in times), None)
+    common.result_line(
+        "coco_eval",
+        times["ours"],
+        headline,
+        times.get(headline),
+        stat,
+        images=args.images,
+        agree=ok,
+        peers={
+            n: {"peer_s": times[n], "ratio": round(times[n] / ref_time, 4)}
+            for n in times
+            if n != "ours"
+        },
+    )
     return 0 if ok else 1
 
 

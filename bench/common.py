@@ -1,10 +1,30 @@
-"""What the benchmarks share: interleaved timing and random detection inputs.
+"""What the benchmarks share: interleaved timing, the result line and random detection inputs.
 
 Scripts in bench/ run as `python bench/X.py`, so this module is imported as `common`.
+
+How every bench times: each side (ours, the peer) gets the same `--warmup` untimed calls and the
+same number of timed calls, alternating (`time_alternating`), and is reported by the median;
+imports, model building, compiling and other one-time setup happen before the timing (our
+compile time is printed apart). A `--dtype bfloat16` run changes only our side unless the bench
+says otherwise: the header and the result line name each side's dtype.
+
+Every bench ends with one machine-readable line, the last line of its stdout (`result_line`):
+
+    RESULT {"name": "coco_eval", "ours_s": 0.41, "peer": "faster-coco-eval", "peer_s": 3.1,
+            "ratio": 7.6, "stat": "median of 3 after 1 warm-up", ...}
+
+(on one line): "RESULT " and a JSON object with at least `name` (the bench), `ours_s` (our
+seconds per unit of work, the bench's headline figure), `peer` (what we are compared with, null
+if nothing), `peer_s` (its seconds for the same work, null if not run), `ratio` (peer_s / ours_s,
+above 1 when ours is faster; null without a peer) and `stat` (how the seconds were taken); a
+bench adds its own keys (dtypes, other rows, sizes). `parse_result_line` reads it back. Every
+bench also takes `--smoke`: the tiniest sizes that run the same code, for the tests
+(tests/cli/test_benches.py), whose timings mean nothing.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
@@ -15,19 +35,73 @@ import numpy as np
 
 
 def time_alternating(
-    fns: dict[str, Callable[[], Any]], steps: int, warmup: int
+    fns: dict[str, Callable[..., Any]],
+    steps: int,
+    warmup: int,
+    setup: dict[str, Callable[[], tuple]] | None = None,
 ) -> dict[str, list[float]]:
     """Seconds of each of `steps` calls of every fn (each must block until done), after
     `warmup` calls. The calls alternate between the fns, so a change in the machine's load
-    during the run weighs on all of them alike."""
+    during the run weighs on all of them alike. `setup[name]`, if given, runs untimed before
+    each call of fns[name] and its tuple is the call's arguments (fresh inputs for a peer that
+    writes into its own)."""
+    setup = setup or {}
     times = {name: [] for name in fns}
     for i in range(warmup + steps):
         for name, fn in fns.items():
+            args = setup[name]() if name in setup else ()
             start = time.perf_counter()
-            fn()
+            fn(*args)
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
     return times
+
+
+RESULT_PREFIX = "RESULT "
+RESULT_KEYS = ("name", "ours_s", "peer", "peer_s", "ratio", "stat")
+
+
+def result_line(
+    name: str,
+    ours_s: float | None,
+    peer: str | None,
+    peer_s: float | None,
+    stat: str,
+    **extra: Any,
+) -> dict[str, Any]:
+    """Prints the bench's machine-readable result line (see the module docstring) and returns
+    its record. Call it last: the line must be the last of stdout. `ratio` is computed here,
+    peer_s / ours_s, so that every bench means the same by it."""
+    ratio = None if ours_s is None or peer_s is None else peer_s / ours_s
+    record = {
+        "name": name,
+        "ours_s": ours_s,
+        "peer": peer,
+        "peer_s": peer_s,
+        "ratio": None if ratio is None else round(ratio, 4),
+        "stat": stat,
+        **extra,
+    }
+    # NumPy scalars (a float64 median, a bool_ check) as the Python values they hold.
+    line = json.dumps(record, default=lambda o: o.item() if hasattr(o, "item") else str(o))
+    print(RESULT_PREFIX + line, flush=True)
+    return record
+
+
+def parse_result_line(line: str) -> dict[str, Any]:
+    """The record of a `result_line`; ValueError if `line` is not one."""
+    if not line.startswith(RESULT_PREFIX):
+        raise ValueError(f"not a result line: {line[:80]!r}")
+    record = json.loads(line[len(RESULT_PREFIX) :])
+    missing = [key for key in RESULT_KEYS if key not in record]
+    if missing:
+        raise ValueError(f"result line without {missing}: {line[:200]!r}")
+    return record
+
+
+def stat_text(steps: int, warmup: int) -> str:
+    """How `time_alternating`'s seconds are summed up in the result line."""
+    return f"median of {steps} after {warmup} warm-up, alternating"
 
 
 def random_detection_input(seed: int, batch: int, size: int, max_boxes: int, num_classes: int):

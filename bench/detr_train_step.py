@@ -26,7 +26,11 @@ machine's load weighs on both.
 
     python bench/detr_train_step.py [--steps 5] [--warmup 1] [--size 320] [--batch 2]
                                     [--dtype float32|bfloat16] [--no-torch] [--torch-threads T]
-                                    [--train-stem] [--compile-only]
+                                    [--train-stem] [--compile-only] [--smoke]
+
+`--dtype bfloat16` runs ours in bfloat16 and torch in float32 (the header and the result line
+name each side's dtype). `--smoke`: a toy DETR (resnet18, d_model 32, one encoder and one
+decoder layer, 5 queries) at 64x64, batch 1, one step after one warm-up, for the tests.
 
 `--no-torch` times only ours and never imports torch or transformers (for accelerators; the
 weights are then our own random init). The summary line of ratios is followed by two
@@ -60,6 +64,18 @@ NUM_CLASSES = 91  # COCO's label space as DETR uses it; the model adds the "no o
 NUM_QUERIES = 100
 MAX_BOXES = 8  # target slots per image; 3 to 6 of them real
 BACKBONE_LR, LR, WEIGHT_DECAY, CLIP_NORM = 1e-5, 1e-4, 1e-4, 0.1  # DETR's recipe
+BACKBONE = "resnet50"
+# DetrConfig fields on top of the defaults (DETR-R50's sizes); --smoke shrinks them.
+TORCH_SIZES: dict[str, Any] = {}
+SMOKE_SIZES = dict(
+    d_model=32,
+    encoder_layers=1,
+    decoder_layers=1,
+    encoder_ffn_dim=64,
+    decoder_ffn_dim=64,
+    encoder_attention_heads=2,
+    decoder_attention_heads=2,
+)
 
 
 def _parse_args() -> argparse.Namespace:
@@ -89,7 +105,13 @@ def _parse_args() -> argparse.Namespace:
         action="store_true",
         help="train the stem and the first stage too, on both sides (DETR keeps them fixed)",
     )
+    parser.add_argument("--smoke", action="store_true", help="a toy DETR, 1 step: for tests")
     args = parser.parse_args()
+    if args.smoke:
+        global NUM_QUERIES, BACKBONE
+        NUM_QUERIES, BACKBONE = 5, "resnet18"
+        TORCH_SIZES.update(SMOKE_SIZES)
+        args.steps, args.warmup, args.size, args.batch = 1, 1, 64, 1
     args.no_torch = args.no_torch or args.compile_only
     if args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.size < 64:
         parser.error("need --steps >= 1, --warmup >= 0, --batch >= 1, --size >= 64")
@@ -131,11 +153,12 @@ def _torch_model(args: argparse.Namespace):
     torch.manual_seed(args.seed)
     config = transformers.DetrConfig(
         use_timm_backbone=True,
-        backbone="resnet50",
+        backbone=BACKBONE,
         use_pretrained_backbone=False,
         num_labels=NUM_CLASSES,
         num_queries=NUM_QUERIES,
         auxiliary_loss=True,
+        **TORCH_SIZES,
     )
     model = transformers.DetrForObjectDetection(config)
     if args.train_stem:
@@ -266,11 +289,12 @@ def _native_model(args: argparse.Namespace, dtype):
     module = detr.DETR(
         num_classes=NUM_CLASSES,
         num_queries=NUM_QUERIES,
-        backbone="resnet50",
+        backbone=BACKBONE,
         backbone_norm="frozen",
         backbone_frozen_stages=0 if args.train_stem else 1,
         norm_between_decoder_layers=True,  # as detr_from_hf builds transformers' aux-loss model
         dtype=dtype,
+        **_smoke_native_sizes(),
     )
     images = jnp.zeros((1, args.size, args.size, 3), jnp.float32)
     variables = jax.jit(module.init)(jax.random.key(args.seed), images)
@@ -280,6 +304,19 @@ def _native_model(args: argparse.Namespace, dtype):
 # --------------------------------------------------------------------------------------------
 # report
 # --------------------------------------------------------------------------------------------
+
+
+def _smoke_native_sizes() -> dict[str, Any]:
+    """`SMOKE_SIZES` as our module's fields, when --smoke set them."""
+    if not TORCH_SIZES:
+        return {}
+    return dict(
+        hidden_dim=TORCH_SIZES["d_model"],
+        num_heads=TORCH_SIZES["encoder_attention_heads"],
+        num_encoder_layers=TORCH_SIZES["encoder_layers"],
+        num_decoder_layers=TORCH_SIZES["decoder_layers"],
+        ffn_dim=TORCH_SIZES["encoder_ffn_dim"],
+    )
 
 
 def _compile_only_report(args: argparse.Namespace, ours: dict[str, Any]) -> None:
@@ -327,6 +364,10 @@ def main() -> None:
         runners["ours"] = _our_runner(module, variables, inputs, args)
         if args.compile_only:
             _compile_only_report(args, runners["ours"])
+            common.result_line(
+                "detr_train_step", None, None, None, "compiled only, not run",
+                ours_dtype=args.dtype, batch=args.batch, size=args.size,
+            )  # fmt: skip
             return
     else:
         from ood_jax.models import convert
@@ -352,7 +393,9 @@ def main() -> None:
     print(
         f"DETR-R50 train step and inference: batch {args.batch}, {args.size}x{args.size}, "
         f"{NUM_CLASSES} classes + no object, {NUM_QUERIES} queries, frozen BN, aux loss on 6 "
-        f"decoder outputs; ours in {args.dtype} on {device.platform} ({device.device_kind})"
+        f"decoder outputs{' (toy sizes: --smoke)' if args.smoke else ''}; ours in {args.dtype} "
+        f"on {device.platform} ({device.device_kind})"
+        + ("" if theirs is None else ", torch in float32 on CPU")
     )
     threads = "" if theirs is None else f" (torch threads {torch_threads})"
     alternating = "" if theirs is None else ", ours and torch alternating"
@@ -405,6 +448,23 @@ def main() -> None:
         args.batch,
         args.dtype,
         predict_device_peak,
+    )
+    peer = None if theirs is None else "transformers DetrForObjectDetection (PyTorch)"
+    common.result_line(
+        "detr_train_step",
+        medians["train"]["ours"],
+        peer,
+        medians["train"].get("torch"),
+        common.stat_text(args.steps, args.warmup),
+        unit="s per train step",
+        batch=args.batch,
+        size=args.size,
+        ours_dtype=args.dtype,
+        peer_dtype=None if theirs is None else "float32",
+        predict={
+            "ours_s": medians["predict"]["ours"],
+            "peer_s": medians["predict"].get("torch"),
+        },
     )
 
 

@@ -67,6 +67,12 @@ then merges `jax.checkpoint`'s recomputation back into the forward pass, so on C
 save nothing; GPU and TPU keep the barriers through CSE. `--memory` therefore compiles with
 that one pass disabled (`--xla_disable_hlo_passes=cse_barrier_expander`), as the accelerators
 would schedule the step.
+
+`--dtype bfloat16` runs ours in bfloat16 and torch in float32 (the header and the result line
+name each side's dtype). The last line is `common.result_line`'s: the train step (ratio torch /
+ours), the other rows (inference, the op) under "rows"; with `--memory`, bytes instead of
+seconds (`ours_bytes`, `peer_bytes`; ratio torch / ours). `--smoke`: a toy DINO and Deformable
+DETR (resnet18, d_model 32, one layer each, 10 queries) at 64x64, batch 2, one step, for tests.
 """
 
 from __future__ import annotations
@@ -96,6 +102,22 @@ BACKBONE_LR, LR, WEIGHT_DECAY, CLIP_NORM = 1e-5, 1e-4, 1e-4, 0.1  # DINO's recip
 FROZEN = ("backbone/stem_", "backbone/stage1_")
 # The CPU pass that drops optimization barriers before CSE (see the module docstring).
 CSE_BARRIER_PASS = "cse_barrier_expander"
+BACKBONE = "resnet50"
+# Model sizes on top of the defaults (DINO-4scale R50's); --smoke shrinks them.
+OUR_SIZES: dict[str, Any] = {}
+TORCH_SIZES: dict[str, Any] = {}
+
+
+def _shrink() -> None:
+    """--smoke's toy sizes, on both sides (and in the --memory child, which parses the flag)."""
+    global NUM_QUERIES, TOP_K, BACKBONE
+    NUM_QUERIES, TOP_K, BACKBONE = 10, 10, "resnet18"
+    OUR_SIZES.update(
+        hidden_dim=32, num_encoder_layers=1, num_decoder_layers=1, ffn_dim=64, backbone=BACKBONE
+    )
+    TORCH_SIZES.update(
+        d_model=32, encoder_layers=1, decoder_layers=1, encoder_ffn_dim=64, decoder_ffn_dim=64
+    )
 
 
 def _parse_args() -> argparse.Namespace:
@@ -125,10 +147,16 @@ def _parse_args() -> argparse.Namespace:
         "--memory", action="store_true", help="the train step's memory instead of times"
     )
     parser.add_argument("--torch-memory-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help="toy models, 1 step: for tests")
     parser.add_argument(
         "--torch-threads", type=int, default=0, help="torch intra-op threads (0: all cores)"
     )
     args = parser.parse_args()
+    if args.smoke:
+        _shrink()
+        # Batch 2: torch's BatchNorm in training refuses one value per channel (a 1x1 level).
+        args.steps, args.warmup, args.batch, args.dn, args.op_size = 1, 1, 2, 4, "64x64"
+        args.size = args.size or "64"
     args.no_torch = args.no_torch or args.compile_only
     args.no_op = args.no_op or args.compile_only
     if args.steps < 1 or args.warmup < 0 or args.batch < 1:
@@ -183,17 +211,16 @@ def _torch_runner(args: argparse.Namespace, inputs, use_loss: bool) -> dict[str,
     torch.manual_seed(args.seed)
     config = transformers.DeformableDetrConfig(
         use_timm_backbone=True,
-        backbone="resnet50",
+        backbone=BACKBONE,
         use_pretrained_backbone=False,
         num_labels=NUM_CLASSES,
         two_stage=True,
         with_box_refine=True,
         two_stage_num_proposals=NUM_QUERIES,
         num_queries=NUM_QUERIES,
-        encoder_ffn_dim=2048,
-        decoder_ffn_dim=2048,
         dropout=0.0,
         auxiliary_loss=True,
+        **{"encoder_ffn_dim": 2048, "decoder_ffn_dim": 2048, **TORCH_SIZES},
     )
     model = transformers.DeformableDetrForObjectDetection(config)
     pixel_values, pixel_mask, targets = common.torch_detection_batch(inputs)
@@ -371,7 +398,9 @@ def _our_runner(args: argparse.Namespace, inputs, dtype, use_loss: bool) -> dict
 
     from ood_jax.models import dino
 
-    module = dino.DINO(num_classes=NUM_CLASSES, remat=args.remat, dtype=dtype)
+    module = dino.DINO(
+        num_classes=NUM_CLASSES, num_queries=NUM_QUERIES, remat=args.remat, dtype=dtype, **OUR_SIZES
+    )
     images, boxes, labels, mask = (jnp.asarray(x) for x in inputs)
     steps = build_train_step(module, _random_variables(module, images), args.dn, use_loss)
     batch = _batch(images, boxes, labels, mask)
@@ -457,7 +486,9 @@ def our_step_memory(
 
     from ood_jax.models import dino
 
-    module = dino.DINO(num_classes=NUM_CLASSES, remat=remat, dtype=dtype)
+    module = dino.DINO(
+        num_classes=NUM_CLASSES, num_queries=NUM_QUERIES, remat=remat, dtype=dtype, **OUR_SIZES
+    )
     spec = jax.ShapeDtypeStruct
     images = spec((batch, height, width, 3), jnp.float32)
     variables = jax.eval_shape(
@@ -484,6 +515,7 @@ def _torch_step_memory(args: argparse.Namespace) -> dict[str, float]:
     command = [sys.executable, os.path.abspath(__file__), "--torch-memory-child"]
     command += ["--size", "x".join(map(str, args.hw)), "--batch", str(args.batch)]
     command += ["--seed", str(args.seed), "--torch-threads", str(args.torch_threads)]
+    command += ["--smoke"] if args.smoke else []
     # glibc's default malloc, as PyTorch runs: keeping freed memory could only raise its peak.
     done = subprocess.run(command, capture_output=True, text=True, env=malloc.default_environ())
     if done.returncode:
@@ -550,20 +582,38 @@ def _memory_report(args: argparse.Namespace, use_loss: bool) -> None:
         f"so a batch of n needs about {ours[sizes[-1]]['arguments'] / gb:.2f} + "
         f"n x {ours[sizes[-1]]['temp'] / args.batch / gb:.2f} GB at {height}x{width}"
     )
+    by_dtype = {args.dtype: ours[sizes[-1]]["peak"], other_name: full["peak"]}
+    memory_result = dict(
+        unit="bytes per train step (peak)",
+        stat="ours: compiled memory_analysis(); torch: peak-RSS increase of one step",
+        batch=args.batch,
+        size=f"{height}x{width}",
+        ours_dtype=args.dtype,
+        peer_dtype="float32",
+        ours_other_dtype_bytes=full["peak"],
+    )
     if torch_memory is None:
+        common.result_line("dino_step_memory", None, None, None, ours_bytes=by_dtype[args.dtype],
+                           **memory_result)  # fmt: skip
         return
     theirs = torch_memory["peak_increase"]
     print(
         f"  torch (transformers two-stage Deformable DETR, fp32): peak RSS +{theirs / gb:.2f} GB "
         f"for one step ({torch_memory['seconds']:.0f} s)"
     )
-    by_dtype = {args.dtype: ours[sizes[-1]]["peak"], other_name: full["peak"]}
     print(
         f"at {height}x{width}, batch {args.batch}: ours float32 {by_dtype['float32'] / gb:.2f} GB, "
         f"ours bfloat16 {by_dtype['bfloat16'] / gb:.2f} GB, torch {theirs / gb:.2f} GB; "
         f"ours/torch float32 {by_dtype['float32'] / theirs:.2f}, "
         f"bfloat16 {by_dtype['bfloat16'] / theirs:.2f}"
     )
+    # The ratio is torch / ours like the timings', computed here on bytes: ours_s and peer_s
+    # stay null so that no reader takes bytes for seconds.
+    common.result_line(
+        "dino_step_memory", None, "transformers Deformable DETR two-stage (PyTorch)", None,
+        ours_bytes=by_dtype[args.dtype], peer_bytes=theirs,
+        bytes_ratio=round(theirs / by_dtype[args.dtype], 4), **memory_result,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -626,6 +676,10 @@ def main() -> None:
         common.device_figures(
             ours["compiled_train"], ours["compiled_predict"], None, None, args.batch, args.dtype
         )
+        common.result_line(
+            "dino_step", None, None, None, "compiled only, not run", ours_dtype=args.dtype,
+            batch=args.batch, size=f"{args.hw[0]}x{args.hw[1]}",
+        )  # fmt: skip
         return
     op_runners = {} if args.no_op else {"ours": _our_op_runner(*op_inputs, remat=args.remat)}
     if not args.no_torch:
@@ -652,8 +706,9 @@ def main() -> None:
     print(
         f"DINO-4scale R50 (d 256, 6+6 layers, FFN 2048, {NUM_QUERIES} queries, {args.dn} "
         f"denoising budget) vs transformers Deformable DETR two-stage + box refine (same size): "
-        f"batch {args.batch}, {args.hw[0]}x{args.hw[1]}; ours in {args.dtype} on "
-        f"{device.platform} ({device.device_kind}), remat {args.remat}"
+        f"batch {args.batch}, {args.hw[0]}x{args.hw[1]}{' (toy sizes: --smoke)' if args.smoke else ''}"
+        f"; ours in {args.dtype} on {device.platform} ({device.device_kind}), remat {args.remat}"
+        + ("" if theirs is None else "; torch in float32 on CPU")
     )
     threads = "" if theirs is None else f" (torch threads {torch_threads})"
     print(
@@ -699,6 +754,24 @@ def main() -> None:
         args.dtype,
         predict_device_peak,
         train_device_peak,
+    )
+    peer = None if theirs is None else "transformers Deformable DETR two-stage (PyTorch)"
+    common.result_line(
+        "dino_step",
+        medians["train"]["ours"],
+        peer,
+        medians["train"].get("torch"),
+        common.stat_text(args.steps, args.warmup),
+        unit="s per train step",
+        batch=args.batch,
+        size=f"{args.hw[0]}x{args.hw[1]}",
+        ours_dtype=args.dtype,
+        peer_dtype=None if theirs is None else "float32",
+        rows={
+            key: {"ours_s": medians[key]["ours"], "peer_s": medians[key].get("torch")}
+            for key, _ in rows
+            if key != "train"
+        },
     )
 
 

@@ -14,7 +14,12 @@ size and the ratio pipeline / step (above 1: the step, not the input, sets the p
 the steps/s the pipeline could feed. On a CPU-only machine both share the same cores.
 
     python bench/input_pipeline.py [--data-dir DIR] [--batch-size 16] [--image-size 160]
-                                   [--batches 200] [--warmup 10] [--train-step-ms MS]
+                                   [--batches 200] [--warmup 10] [--train-step-ms MS] [--smoke]
+
+Only ours is timed (a train step's length is given, not measured). The last line is
+`common.result_line`'s: seconds per batch (the mean over --batches), and with --train-step-ms
+the step as the "peer" (ratio step / pipeline batch, above 1 when the input keeps up).
+`--smoke` builds synthetic_shifts:tiny instead and reads a few small batches, for the tests.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import common  # noqa: E402  (bench/, the directory of this script)
 import ml_collections  # noqa: E402
 
 from ood_jax import datasets  # noqa: E402
@@ -43,7 +49,7 @@ def _first_batch_seconds(builder, split: str, config, start_step: int) -> float:
 
 def run(args: argparse.Namespace, data_dir: str) -> None:
     start = time.perf_counter()
-    builder = datasets.build("synthetic_shifts", data_dir, config="demo")
+    builder = datasets.build("synthetic_shifts", data_dir, config=args.dataset_config)
     built = time.perf_counter() - start
     split = counts.images_within("train", counts.DOMAINS, builder.info.splits.keys())
     config = ml_collections.ConfigDict(
@@ -66,10 +72,10 @@ def run(args: argparse.Namespace, data_dir: str) -> None:
     images_per_s = args.batches * args.batch_size / seconds
     batches_per_s = args.batches / seconds
     fresh = _first_batch_seconds(builder, split, config, 0)
-    resumed = _first_batch_seconds(builder, split, config, RESUME_STEP)
+    resumed = _first_batch_seconds(builder, split, config, args.resume_step)
 
     print(
-        f"input pipeline: synthetic_shifts:demo, {builder.info.splits[split].num_examples} "
+        f"input pipeline: synthetic_shifts:{args.dataset_config}, {builder.info.splits[split].num_examples} "
         f"train images over {len(counts.DOMAINS)} domains (prepared in {built:.1f} s)"
     )
     print(
@@ -81,7 +87,7 @@ def run(args: argparse.Namespace, data_dir: str) -> None:
         f"({args.batches} batches after {args.warmup} warm-up)"
     )
     print(
-        f"  resume: first batch after {resumed:.2f} s at start_step={RESUME_STEP} "
+        f"  resume: first batch after {resumed:.2f} s at start_step={args.resume_step} "
         f"vs {fresh:.2f} s at start_step=0"
     )
     if args.train_step_ms is None:
@@ -97,6 +103,20 @@ def run(args: argparse.Namespace, data_dir: str) -> None:
             f"  train step: {args.train_step_ms:.1f} ms consumes {consumed:.0f} images/s; "
             f"pipeline / step = {images_per_s / consumed:.2f}x ({verdict})"
         )
+    common.result_line(
+        "input_pipeline",
+        seconds / args.batches,
+        None if args.train_step_ms is None else "train step (given by --train-step-ms)",
+        None if args.train_step_ms is None else args.train_step_ms / 1000,
+        f"mean of {args.batches} batches after {args.warmup} warm-up",
+        unit="s per batch",
+        images_per_s=images_per_s,
+        batch_size=args.batch_size,
+        image_size=args.image_size,
+        dataset=f"synthetic_shifts:{args.dataset_config}",
+        resume_first_batch_s=resumed,
+        fresh_first_batch_s=fresh,
+    )
 
 
 def main() -> None:
@@ -107,7 +127,12 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--train-step-ms", type=float, default=None)
+    parser.add_argument("--smoke", action="store_true", help="tiny dataset and batches: tests")
     args = parser.parse_args()
+    args.dataset_config, args.resume_step = "demo", RESUME_STEP
+    if args.smoke:
+        args.dataset_config, args.resume_step = "tiny", 10
+        args.batch_size, args.image_size, args.batches, args.warmup = 2, 64, 2, 1
     if args.data_dir:
         run(args, args.data_dir)
     else:

@@ -17,9 +17,13 @@ compile time apart. Seconds per 1,000 images is 1,000 / (images per second): the
 measured, the 1,000 images are not run. Preprocessing and decoding are not included.
 
     python bench/paper_scorers.py [--scorers clip,blip2,groupvit,lit] [--batch 8] [--steps 3]
-        [--warmup 1] [--dtype float32|bfloat16] [--no-torch]
+        [--warmup 1] [--dtype float32|bfloat16] [--no-torch] [--smoke]
 
-One line per scorer, then the table of docs/guide/scorers-and-mining.md.
+`--dtype bfloat16` runs ours in bfloat16 and PyTorch in float32 (the table and the result line
+say so per side). One line per scorer, then the table of docs/guide/scorers-and-mining.md; the
+last line is `common.result_line`'s: seconds per 1,000 images summed over the scorers run
+(ratio PyTorch / ours), each scorer's under "scorers". `--smoke`: the same four architectures
+one layer deep and 32 wide at 28-32 px, batch 2, one step, for the tests.
 """
 
 from __future__ import annotations
@@ -40,9 +44,13 @@ from ood_jax import malloc  # noqa: E402
 SMALL_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2)
 
 
-def _configs():
-    """name -> (what it stands for, transformers model class name, config)."""
+def _configs(smoke: bool = False):
+    """name -> (what it stands for, transformers model class name, config); with `smoke` the
+    same architectures at toy sizes."""
     import transformers
+
+    if smoke:
+        return _smoke_configs(transformers)
 
     vit_l = dict(
         hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
@@ -84,6 +92,29 @@ def _configs():
     }
 
 
+def _smoke_configs(transformers):
+    tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    clip = dict(tiny, image_size=32, patch_size=16, projection_dim=16)
+    return {
+        "clip": ("tiny CLIP", "CLIPModel", transformers.CLIPConfig(
+            vision_config=clip, text_config=SMALL_TEXT, projection_dim=16)),
+        "blip2": ("tiny BLIP-2 ITC", "Blip2ForImageTextRetrieval", transformers.Blip2Config(
+            vision_config=dict(tiny, image_size=28, patch_size=14),
+            qformer_config=dict(tiny, num_hidden_layers=2, encoder_hidden_size=32,
+                                use_qformer_text_input=True),
+            num_query_tokens=4, image_text_hidden_size=16)),
+        "groupvit": ("tiny GroupViT", "GroupViTModel", transformers.GroupViTConfig(
+            vision_config=dict(
+                hidden_size=32, intermediate_size=64, num_attention_heads=2, depths=[1, 1, 1],
+                num_hidden_layers=3,
+                num_group_tokens=[4, 2, 0], num_output_groups=[4, 2, 2], image_size=32,
+                patch_size=16),
+            text_config=SMALL_TEXT, projection_dim=16, projection_intermediate_dim=32)),
+        "lit": ("tiny LiT image tower", "CLIPModel", transformers.CLIPConfig(
+            vision_config=clip, text_config=SMALL_TEXT, projection_dim=16)),
+    }  # fmt: skip
+
+
 def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scorers", default="clip,blip2,groupvit,lit")
@@ -95,7 +126,10 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--torch-threads", type=int, default=0, help="torch intra-op threads (0: os.cpu_count())"
     )
+    parser.add_argument("--smoke", action="store_true", help="toy sizes, 1 step: for the tests")
     args = parser.parse_args()
+    if args.smoke:
+        args.batch, args.steps, args.warmup = 2, 1, 1
     unknown = set(args.scorers.split(",")) - set(_configs())
     if unknown:
         parser.error(f"unknown scorers {sorted(unknown)}; known: {', '.join(_configs())}")
@@ -133,7 +167,7 @@ def _measure(name: str, args: argparse.Namespace) -> tuple[str, dict, float | No
 
     from ood_jax import scorers
 
-    what, cls, config = _configs()[name]
+    what, cls, config = _configs(args.smoke)[name]
     torch.manual_seed(0)
     model = getattr(transformers, cls)(config).eval()
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
@@ -162,7 +196,7 @@ def _measure(name: str, args: argparse.Namespace) -> tuple[str, dict, float | No
     if ratio is not None:
         line += f", torch {per_1000['torch']:8.1f} s (ours {ratio:.2f}x){diff}"
     print(f"{line}; compile {compile_s:.1f} s", flush=True)
-    return what, per_1000, ratio
+    return name, what, per_1000, ratio
 
 
 def main() -> None:
@@ -174,16 +208,41 @@ def main() -> None:
     torch.set_num_threads(args.torch_threads or os.cpu_count())
     transformers.utils.logging.disable_progress_bar()
     for name in args.scorers.split(","):  # transformers imports its model modules lazily
-        getattr(transformers, _configs()[name][1])
+        getattr(transformers, _configs(args.smoke)[name][1])
 
     rows = [_measure(name, args) for name in args.scorers.split(",")]
-    print(f"\n| scorer | s / 1,000 images, ours ({args.dtype}) | PyTorch | ours / PyTorch speed |")
+    torch_dtype = "" if args.no_torch else " (float32)"
+    print(
+        f"\n| scorer | s / 1,000 images, ours ({args.dtype}) | PyTorch{torch_dtype} "
+        "| ours / PyTorch speed |"
+    )
     print("|---|---|---|---|")
-    for what, per_1000, ratio in rows:
+    for _, what, per_1000, ratio in rows:
         torch_s = f"{per_1000['torch']:.0f}" if "torch" in per_1000 else "-"
         speed = f"{ratio:.2f}x" if ratio is not None else "-"
         print(f"| {what} | {per_1000['ours']:.0f} | {torch_s} | {speed} |")
     print(f"\n(batch {args.batch}, {os.cpu_count()} CPU cores, load {os.getloadavg()[0]:.1f})")
+    ours_s = sum(per_1000["ours"] for _, _, per_1000, _ in rows)
+    peer_s = None if args.no_torch else sum(per_1000["torch"] for _, _, per_1000, _ in rows)
+    common.result_line(
+        "paper_scorers",
+        ours_s,
+        None if args.no_torch else "transformers (PyTorch)",
+        peer_s,
+        common.stat_text(args.steps, args.warmup),
+        unit="s per 1,000 images, summed over the scorers",
+        batch=args.batch,
+        ours_dtype=args.dtype,
+        peer_dtype=None if args.no_torch else "float32",
+        scorers={
+            name: {
+                "ours_s": per_1000["ours"],
+                "peer_s": per_1000.get("torch"),
+                "ratio": None if ratio is None else round(ratio, 4),
+            }
+            for name, _, per_1000, ratio in rows
+        },
+    )
 
 
 if __name__ == "__main__":

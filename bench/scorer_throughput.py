@@ -23,9 +23,12 @@ Their image features are compared once.
 
     python bench/scorer_throughput.py [--batch 32] [--steps 3] [--warmup 1]
         [--mining-images 64] [--mining-steps 2] [--classes 1000] [--torch-threads T]
-        [--dtype float32|bfloat16] [--no-torch]
+        [--dtype float32|bfloat16] [--no-torch] [--smoke]
 
-The last line sums up: both throughputs, their ratio, and the mining overhead.
+`--dtype bfloat16` runs ours in bfloat16 and torch in float32 (the header and the result line
+say so per side). The summary line gives both throughputs, their ratio, and the mining overhead;
+the last line is `common.result_line`'s (seconds per batch, ratio torch / ours). `--smoke`: a
+one-layer 32-wide tower at 32 px and a couple of images, for the tests.
 """
 
 from __future__ import annotations
@@ -63,7 +66,11 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--torch-threads", type=int, default=0, help="torch intra-op threads (0: os.cpu_count())"
     )
+    parser.add_argument("--smoke", action="store_true", help="a tiny tower, 1 step: for tests")
     args = parser.parse_args()
+    if args.smoke:
+        args.batch, args.steps, args.warmup = 2, 1, 1
+        args.mining_images, args.mining_steps, args.classes = 2, 1, 4
     if min(args.batch, args.steps, args.mining_images, args.mining_steps) < 1 or args.warmup < 0:
         parser.error("need --batch, --steps, --mining-images, --mining-steps >= 1, --warmup >= 0")
     if args.classes < 4:
@@ -71,22 +78,26 @@ def _parse_args() -> argparse.Namespace:
     return args
 
 
-def _clip_config():
+def _clip_config(smoke: bool = False):
     import transformers
 
+    vision = dict(
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        image_size=224,
+        patch_size=16,
+    )
+    if smoke:
+        vision.update(hidden_size=32, intermediate_size=64, num_hidden_layers=1, image_size=32)
+        vision.update(num_attention_heads=2)
     return transformers.CLIPConfig(
-        vision_config=dict(
-            hidden_size=768,
-            intermediate_size=3072,
-            num_hidden_layers=12,
-            num_attention_heads=12,
-            image_size=224,
-            patch_size=16,
-        ),
+        vision_config=vision,
         text_config=dict(
             hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2
         ),
-        projection_dim=512,
+        projection_dim=32 if smoke else 512,
     )
 
 
@@ -135,14 +146,14 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     rng = np.random.default_rng(args.seed)
     torch.manual_seed(args.seed)
-    model = transformers.CLIPModel(_clip_config()).eval()
+    model = transformers.CLIPModel(_clip_config(args.smoke)).eval()
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         scorer = scorers.from_hf(tmp, dtype=dtype, batch_size=args.batch)
 
     # ---------------------------------------------------------------- throughput
-    pixels = rng.standard_normal((args.batch, 224, 224, 3), np.float32)
+    pixels = rng.standard_normal((args.batch, *scorer.image_size, 3), np.float32)
     start = time.perf_counter()
     ours_features = scorer.image_features(pixels)
     compile_s = time.perf_counter() - start
@@ -196,9 +207,10 @@ def main() -> None:
 
     # ---------------------------------------------------------------- report
     device = jax.devices()[0]
+    tower = "tiny CLIP tower (--smoke), 32px" if args.smoke else "CLIP ViT-B/16 image tower, 224px"
     print(
-        f"CLIP ViT-B/16 image tower, 224px, batch {args.batch}, {args.dtype}; ours on "
-        f"{device.platform} ({device.device_kind}), torch on CPU ({torch_threads} threads, "
+        f"{tower}, batch {args.batch}; ours in {args.dtype} on {device.platform} "
+        f"({device.device_kind}), torch in float32 on CPU ({torch_threads} threads, "
         f"{model.config._attn_implementation} attention)"
     )
     print(
@@ -231,6 +243,22 @@ def main() -> None:
     print(
         f"{summary}; mining time outside the encoder: measured {100 * overhead:.1f}% "
         f"(pass - encoder alone), at most {100 * serial_share:.1f}% (preprocessing + top-k, serial)"
+    )
+    median = {name: statistics.median(t) for name, t in times.items()}
+    common.result_line(
+        "scorer_throughput",
+        median["ours"],
+        None if args.no_torch else "transformers CLIPModel.get_image_features (PyTorch)",
+        median.get("torch"),
+        common.stat_text(args.steps, args.warmup),
+        unit="s per batch",
+        batch=args.batch,
+        ours_dtype=args.dtype,
+        peer_dtype=None if args.no_torch else "float32",
+        ours_images_per_s=rate["ours"],
+        peer_images_per_s=rate.get("torch"),
+        mining_overhead=overhead,
+        mining_overhead_bound=serial_share,
     )
 
 

@@ -1,0 +1,66 @@
+"""Each bench in bench/ runs at its `--smoke` size and ends with its result line.
+
+What breaks here is an API the bench calls or the shape of its last line, found by CI rather
+than by the next person who runs the bench; no timing is asserted (the toy sizes mean nothing).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _bench_common():
+    """bench/common.py (the result line's reader) under a name of its own: `common` alone
+    could be another module on the path."""
+    spec = importlib.util.spec_from_file_location("bench_common", REPO / "bench" / "common.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+common = _bench_common()
+
+pytestmark = pytest.mark.slow
+
+# Measured on 2 shared cores: coco_eval, ap_bootstrap and client_throughput a few seconds
+# each, input_pipeline ~25 s (TensorFlow's import), scorer_throughput ~30 s, paper_scorers
+# ~35 s (four toy towers), dino_step ~55 s and detr_train_step ~75 s (their toy train steps
+# compile the in-graph matching).
+BENCHES = [
+    "coco_eval",
+    "ap_bootstrap",
+    "client_throughput",
+    "input_pipeline",
+    "scorer_throughput",
+    "paper_scorers",
+    "dino_step",
+    "detr_train_step",
+]
+
+
+@pytest.mark.parametrize("bench", BENCHES)
+def test_smoke_ends_with_result_line(bench):
+    done = subprocess.run(
+        [sys.executable, f"bench/{bench}.py", "--smoke"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines, done.stderr[-3000:]
+    record = common.parse_result_line(lines[-1])
+    assert record["name"] == bench
+    assert isinstance(record["ours_s"], float) and record["ours_s"] > 0
+    if bench != "input_pipeline":  # no peer unless a train step's length is given
+        assert isinstance(record["peer"], str)
+        assert record["ratio"] == pytest.approx(record["peer_s"] / record["ours_s"], rel=1e-3)
+    assert "warm-up" in record["stat"]
