@@ -42,6 +42,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import pathlib
 import time
 from collections.abc import Callable, Mapping
@@ -221,8 +222,34 @@ def train_step(
     return state, metrics
 
 
+# XLA:CPU expands remat's optimization barriers into plain ops before CSE, which then merges the
+# recomputation back into the forward pass: remat would save no memory. GPU and TPU keep the
+# barriers, and a step without remat has none.
+CSE_BARRIER_PASS = "cse_barrier_expander"
+
+
+def step_compiler_options(
+    config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh
+) -> dict[str, str] | None:
+    """XLA options for the train step: on CPU with `config.model.args.remat`, the passes
+    XLA_FLAGS disables plus the one that would undo remat."""
+    if not config.model.get("args", {}).get("remat", False):
+        return None
+    if mesh.devices.flat[0].platform != "cpu":
+        return None
+    # A per-compile option replaces XLA_FLAGS' value of the same flag: keep the user's too.
+    disabled = [
+        value
+        for flag in os.environ.get("XLA_FLAGS", "").split()
+        for name, _, value in [flag.partition("=")]
+        if name == "--xla_disable_hlo_passes" and value
+    ]
+    return {"xla_disable_hlo_passes": ",".join([*disabled, CSE_BARRIER_PASS])}
+
+
 def jit_train_step(config: ml_collections.ConfigDict, layout: StepLayout):
-    """`train_step` jitted on the run's shardings, the state's buffers donated."""
+    """`train_step` jitted on the run's shardings, the state's buffers donated; remat made
+    effective on CPU (`step_compiler_options`)."""
     return jax.jit(
         functools.partial(
             train_step,
@@ -234,6 +261,7 @@ def jit_train_step(config: ml_collections.ConfigDict, layout: StepLayout):
         in_shardings=(layout.state_sharding, layout.data_sharding, None),
         out_shardings=(layout.state_sharding, None),
         donate_argnums=(0,),
+        compiler_options=step_compiler_options(config, layout.mesh),
     )
 
 

@@ -3,6 +3,8 @@ recomputed from its inputs in the backward pass) changes memory, not numbers: DI
 two-stage Deformable DETR give the same outputs as without it, and the same gradients to float32
 rounding, on a batch with a padded image and denoising queries."""
 
+import pathlib
+
 import numpy as np
 import pytest
 
@@ -13,6 +15,8 @@ from ood_jax.models import deformable_detr, denoising, dino, resnet
 
 # Trains, launches processes or starts servers: left out of `make test-fast`.
 pytestmark = pytest.mark.slow
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 TINY_RESNET = resnet.ResNet(
     stage_sizes=(1, 1, 1, 1), block="basic", planes=(8, 16, 32, 64), stem_width=8, norm="frozen"
@@ -104,3 +108,64 @@ def test_recomputed_op_lowers_for_gpu_and_tpu() -> None:
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     exported = export.export(step, platforms=("cuda", "tpu"))(*args)
     assert "callback" not in exported.mlir_module()
+
+
+# ------------------------------------------------------------------------------------------------
+# Through the trainer: remat saves memory on CPU too.
+# ------------------------------------------------------------------------------------------------
+
+
+def _trainer_step_temp_bytes(remat: bool) -> int:
+    """Temp bytes of the compiled `train.jit_train_step` of a small DINO (the smoke config, three
+    encoder layers) at 256x256, batch 2: compiled abstractly, nothing runs."""
+    from ood_jax import config_files, sharding
+    from ood_jax.train import train
+
+    config = config_files.load(REPO / "configs" / "synthetic_dino.py", "smoke")
+    config.input.image_size = 256
+    config.input.batch_size = 2
+    config.model.args.num_encoder_layers = 3
+    config.model.args.remat = remat
+    layout = train.build_layout(config, sharding.make_mesh(config.mesh), steps_per_epoch=10.0)
+    b, s, m = 2, 256, config.input.max_boxes
+    spec = jax.ShapeDtypeStruct
+    batch = {
+        "image": spec((b, s, s, 3), jnp.float32),
+        "image_mask": spec((b, s, s), bool),
+        "image_size": spec((b, 2), jnp.int32),
+        "orig_size": spec((b, 2), jnp.int32),
+        "boxes": spec((b, m, 4), jnp.float32),
+        "labels": spec((b, m), jnp.int32),
+        "box_mask": spec((b, m), bool),
+        "domain": spec((b,), jnp.int32),
+        "valid": spec((b,), bool),
+    }
+    step = train.jit_train_step(config, layout)
+    compiled = step.lower(layout.abstract_state, batch, jax.random.key(0)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_remat_saves_memory_in_the_trainers_cpu_step() -> None:
+    # Measured: 119 MiB without remat; 120 MiB with it before the trainer kept XLA:CPU from
+    # merging the recomputation back (train.step_compiler_options), 57 MiB after.
+    without, with_remat = _trainer_step_temp_bytes(False), _trainer_step_temp_bytes(True)
+    print(
+        f"trainer's DINO step temp: {without / 2**20:.0f} MiB, remat {with_remat / 2**20:.0f} MiB"
+    )
+    assert with_remat < 0.7 * without
+
+
+def test_the_users_disabled_passes_are_kept(monkeypatch) -> None:
+    import ml_collections
+
+    from ood_jax import sharding
+    from ood_jax.train import train
+
+    config = ml_collections.ConfigDict({"model": {"args": {"remat": True}}})
+    mesh = sharding.make_mesh([("data", -1)])
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=true --xla_disable_hlo_passes=a,b")
+    assert train.step_compiler_options(config, mesh) == {
+        "xla_disable_hlo_passes": "a,b,cse_barrier_expander"
+    }
+    config.model.args.remat = False
+    assert train.step_compiler_options(config, mesh) is None
