@@ -195,7 +195,8 @@ def layer_class(layer: type[_PostNormLayer], remat: bool) -> type[nn.Module]:
     alone are [B, 22223, 2048]. Its `spatial_shapes` and `train` arguments, passed
     positionally, are static. XLA on GPU and TPU keeps the recomputation apart; its CPU
     pipeline expands the optimization barriers before CSE, which then merges it back into the
-    forward pass (unless `--xla_disable_hlo_passes=cse_barrier_expander`; bench/dino_step.py)."""
+    forward pass unless that pass is off, as the trainer's CPU step has it
+    (`train.step_compiler_options`)."""
     if not remat:
         return layer
     arguments = list(inspect.signature(layer.__call__).parameters)  # self is argument 0
