@@ -16,6 +16,7 @@ $(VENV)/.installed: $(VENV)/.runtime
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps nuscenes-devkit==1.2.0  # see pyproject's `sources` extra
 	$(BIN)/pip install -q --no-deps imagecorruptions==1.1.2  # see pyproject's `corruptions` extra
+	$(BIN)/pip install -q --no-deps jax2onnx==0.17.1  # see pyproject's `onnx` extra
 	touch $@
 
 demo: $(VENV)/.runtime

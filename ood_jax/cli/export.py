@@ -19,6 +19,7 @@ def add_parsers(subparsers) -> None:
             "ood-jax export --workdir workdirs/synthetic_detr --out exported/detr_hf "
             "--format transformers",
             "ood-jax export --workdir workdirs/counts_dino --out exported/dino_idea --format pytorch",
+            "ood-jax export --workdir workdirs/counts_dino --out exported/dino_onnx --format onnx",
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -27,12 +28,13 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     p.add_argument(
         "--format",
-        choices=("msgpack", "stablehlo", "transformers", "pytorch"),
+        choices=("msgpack", "stablehlo", "onnx", "transformers", "pytorch"),
         default="msgpack",
         help="msgpack: one file for ood_jax.models.load_exported (default); stablehlo: a "
         "directory with the predict function as a jax.export artifact for cpu, cuda and tpu "
-        "and its input contract, loadable with jax alone; transformers (DETR, Deformable DETR): a "
-        "directory transformers' from_pretrained loads (safetensors, config.json, "
+        "and its input contract, loadable with jax alone; onnx: a directory with the same "
+        "function as an ONNX graph (opset 17) for onnxruntime and other ONNX runtimes; "
+        "transformers (DETR, Deformable DETR): a directory transformers' from_pretrained loads (safetensors, config.json, "
         "preprocessor_config.json); pytorch (DINO): a directory with IDEA-Research/DINO's "
         "checkpoint.pth and the config fields it needs (dino_args.json). Every directory "
         "carries the model's card (README.md)",
@@ -40,7 +42,7 @@ def add_parsers(subparsers) -> None:
     p.add_argument(
         "--batch-size",
         type=int,
-        help="with --format stablehlo: a fixed batch size (default: any, a symbolic batch)",
+        help="with --format stablehlo or onnx: a fixed batch size (default: any, a symbolic batch)",
     )
     p.set_defaults(run=_export)
 

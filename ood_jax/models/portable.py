@@ -39,7 +39,9 @@ OUTPUTS = {
 }
 
 
-def _input_specs(side: int, batch_size: int | None) -> tuple[jax.ShapeDtypeStruct, ...]:
+def input_specs(side: int, batch_size: int | None) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """(images, mask) of prepared canvases of `side`: a symbolic batch "batch" unless
+    `batch_size` fixes it."""
     (batch,) = jax_export.symbolic_shape("batch") if batch_size is None else (batch_size,)
     return (
         jax.ShapeDtypeStruct((batch, side, side, 3), jnp.float32),
@@ -55,13 +57,31 @@ def export_predict(
     """The model's predict on prepared batches, exported for `platforms`."""
     predict = jax.jit(model.predict_canvas)
     return jax_export.export(predict, platforms=tuple(platforms))(
-        *_input_specs(model.input_config["image_size"], batch_size)
+        *input_specs(model.input_config["image_size"], batch_size)
     )
+
+
+def model_contract(model: exported.ExportedModel) -> dict[str, Any]:
+    """What every artifact of `model` promises alike: how images are prepared, the outputs,
+    class names and where the model came from."""
+    c = model.input_config
+    return {
+        "preprocessing": {
+            "rule": PREPROCESSING,
+            **{key: c[key] for key in ("image_size", "eval_size", "max_size", "mean", "std")},
+        },
+        "outputs": OUTPUTS,
+        "class_names": model.class_names,
+        "model": {
+            "name": model.module.__class__.__name__,
+            "model_name": model.model_name,
+            "step": model.step,
+        },
+    }
 
 
 def contract(model: exported.ExportedModel, artifact: jax_export.Exported) -> dict[str, Any]:
     """What a user of the artifact needs to know, from the model and the artifact itself."""
-    c = model.input_config
     names = ("images", "mask")
     return {
         "contract_version": CONTRACT_VERSION,
@@ -75,17 +95,7 @@ def contract(model: exported.ExportedModel, artifact: jax_export.Exported) -> di
             {"name": name, "shape": [str(d) for d in aval.shape], "dtype": str(aval.dtype)}
             for name, aval in zip(names, artifact.in_avals)
         ],
-        "preprocessing": {
-            "rule": PREPROCESSING,
-            **{key: c[key] for key in ("image_size", "eval_size", "max_size", "mean", "std")},
-        },
-        "outputs": OUTPUTS,
-        "class_names": model.class_names,
-        "model": {
-            "name": model.module.__class__.__name__,
-            "model_name": model.model_name,
-            "step": model.step,
-        },
+        **model_contract(model),
     }
 
 
@@ -104,10 +114,12 @@ def write_stablehlo(
     a previous export is refused.
     """
     out_dir = pathlib.Path(out_dir).absolute()
-    if out_dir.exists() and not (out_dir / CONTRACT_FILE).is_file():
+    if out_dir.exists() and not all(
+        (out_dir / name).is_file() for name in (ARTIFACT_FILE, CONTRACT_FILE)
+    ):
         raise FileExistsError(
-            f"--out {out_dir}: exists and is no stablehlo export (no {CONTRACT_FILE}); name a "
-            "new directory"
+            f"--out {out_dir}: exists and is no stablehlo export (no {ARTIFACT_FILE} and "
+            f"{CONTRACT_FILE}); name a new directory"
         )
     artifact = export_predict(model, batch_size, platforms)
     with files.replaced_directory(out_dir) as staging:

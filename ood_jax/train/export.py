@@ -17,7 +17,7 @@ from absl import logging
 
 from ood_jax import datasets
 from ood_jax.data import pipeline
-from ood_jax.models import dino_export, exported, portable, transformers_export
+from ood_jax.models import dino_export, exported, onnx_export, portable, transformers_export
 from ood_jax.train import checkpoint, model_card, resume
 
 
@@ -66,7 +66,7 @@ def dataset_class_names(dataset: dict[str, Any]) -> list[str] | None:
         return None
 
 
-FORMATS = ("msgpack", "stablehlo", "transformers", "pytorch")
+FORMATS = ("msgpack", "stablehlo", "onnx", "transformers", "pytorch")
 
 
 def export(
@@ -81,9 +81,11 @@ def export(
     msgpack file (`ood_jax.models.load_exported` reads it); with "stablehlo" a directory with
     the predict function as a `jax.export` artifact for cpu, cuda and tpu and its input
     contract (`ood_jax.models.portable`; `batch_size` fixes the batch, which is otherwise
-    symbolic); with "transformers" (DETR, Deformable DETR) a directory transformers'
-    `from_pretrained` loads (`ood_jax.models.transformers_export`); with "pytorch" (DINO) a
-    directory with IDEA-Research/DINO's checkpoint.pth (`ood_jax.models.dino_export`).
+    symbolic); with "onnx" a directory with the same function as an ONNX graph
+    (`ood_jax.models.onnx_export`, `batch_size` likewise); with "transformers" (DETR,
+    Deformable DETR) a directory transformers' `from_pretrained` loads
+    (`ood_jax.models.transformers_export`); with "pytorch" (DINO) a directory with
+    IDEA-Research/DINO's checkpoint.pth (`ood_jax.models.dino_export`).
 
     The config is the one saved with that checkpoint. `class_names` default to the labels of
     the config's dataset when it is prepared. Returns the absolute path written.
@@ -141,6 +143,13 @@ def export(
     )
     if file_format == "stablehlo":
         return portable.write_stablehlo(
+            exported.ExportedModel.from_payload(payload),
+            out_path,
+            batch_size=batch_size,
+            extra_files=card,
+        )
+    if file_format == "onnx":
+        return onnx_export.write_onnx(
             exported.ExportedModel.from_payload(payload),
             out_path,
             batch_size=batch_size,

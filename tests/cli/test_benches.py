@@ -32,7 +32,7 @@ pytestmark = pytest.mark.slow
 # Measured on 2 shared cores: coco_eval, ap_bootstrap and client_throughput a few seconds
 # each, input_pipeline ~25 s (TensorFlow's import), scorer_throughput ~30 s, paper_scorers
 # ~35 s (four toy towers), dino_step ~55 s and detr_train_step ~75 s (their toy train steps
-# compile the in-graph matching).
+# compile the in-graph matching); onnx_inference converts two toy detectors (~20 s).
 BENCHES = [
     "coco_eval",
     "ap_bootstrap",
@@ -42,6 +42,7 @@ BENCHES = [
     "paper_scorers",
     "dino_step",
     "detr_train_step",
+    "onnx_inference",
 ]
 
 

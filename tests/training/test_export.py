@@ -329,8 +329,38 @@ def test_stablehlo_export_fixed_batch_replaces_refuses(run, tmp_path):
     (tmp_path / "other").mkdir()
     with pytest.raises(FileExistsError, match="other: exists and is no stablehlo export"):
         export_lib.export(run["workdir"], tmp_path / "other", file_format="stablehlo")
-    with pytest.raises(ValueError, match="unknown export format 'onnx'"):
-        export_lib.export(run["workdir"], tmp_path / "x", file_format="onnx")
+    with pytest.raises(ValueError, match="unknown export format 'tflite'"):
+        export_lib.export(run["workdir"], tmp_path / "x", file_format="tflite")
+
+
+def test_onnx_export_runs_in_onnxruntime_as_ours(run, tmp_path):
+    """`ood-jax export --format onnx` of the trained run: onnxruntime gives the exported
+    model's detections (tests/models/test_onnx_export.py covers each family)."""
+    onnxruntime = pytest.importorskip("onnxruntime")
+    from ood_jax import cli
+
+    out = tmp_path / "onnx"
+    cli.main(["export", "--workdir", str(run["workdir"]), "--out", str(out), "--format", "onnx"])
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "contract.json", "model.onnx"]
+    contract = json.loads((out / "contract.json").read_text())
+    assert contract["inputs"][0]["shape"] == ["batch", "96", "96", "3"]
+    model = load_exported(run["exported"])
+    rng = np.random.default_rng(4)
+    prepared = [
+        model.preprocess(rng.integers(0, 256, size, np.uint8))
+        for size in ((50, 70, 3), (96, 40, 3))
+    ]
+    canvas = np.stack([np.asarray(c) for c, _ in prepared])
+    mask = np.stack([np.asarray(m) for _, m in prepared])
+    session = onnxruntime.InferenceSession(str(out / "model.onnx"))
+    boxes, scores, labels = session.run(None, {"images": canvas, "mask": mask})
+    expected = jax.device_get(model.predict_canvas(canvas, mask))
+    np.testing.assert_allclose(scores, expected["scores"], rtol=0, atol=1e-4)
+    # A label may differ only where two classes' scores tie within the tolerance.
+    np.testing.assert_allclose(boxes, expected["boxes"], rtol=0, atol=1e-4)
+    assert np.mean(labels == expected["labels"]) > 0.95
+    with pytest.raises(FileExistsError, match="is no stablehlo export"):
+        export_lib.export(run["workdir"], out, file_format="stablehlo")
 
 
 # ------------------------------------------------------------------------------------------------
