@@ -282,26 +282,6 @@ def _torch_op_runner(value, shapes, locations, weights) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def _random_variables(module, images) -> dict:
-    """Random draws of every variable's shape (sane scales; avoids compiling `init`)."""
-    import jax
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-
-    def draw(path, leaf):
-        name, shape = path[-1].key, leaf.shape
-        if name == "var":
-            return rng.uniform(0.5, 1.5, shape).astype(np.float32)
-        if name in ("kernel", "embedding"):
-            fan_in = np.prod(shape[:-1]) if name == "kernel" else shape[-1]
-            return (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
-        return ((name == "scale") + 0.1 * rng.standard_normal(shape)).astype(np.float32)
-
-    abstract = jax.eval_shape(module.init, jax.random.key(0), images[:1])
-    return jax.tree_util.tree_map_with_path(draw, abstract)
-
-
 def _batch(images, boxes, labels, mask) -> dict:
     """The step's batch: every image pixel real."""
     import jax.numpy as jnp
@@ -397,12 +377,13 @@ def _our_runner(args: argparse.Namespace, inputs, dtype, use_loss: bool) -> dict
     import jax.numpy as jnp
 
     from ood_jax.models import dino
+    from ood_jax.testing.random_variables import random_variables
 
     module = dino.DINO(
         num_classes=NUM_CLASSES, num_queries=NUM_QUERIES, remat=args.remat, dtype=dtype, **OUR_SIZES
     )
     images, boxes, labels, mask = (jnp.asarray(x) for x in inputs)
-    steps = build_train_step(module, _random_variables(module, images), args.dn, use_loss)
+    steps = build_train_step(module, random_variables(module, images), args.dn, use_loss)
     batch = _batch(images, boxes, labels, mask)
     state, fixed = steps["state"], steps["fixed"]
     rng = jax.random.key(args.seed)

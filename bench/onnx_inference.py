@@ -120,26 +120,6 @@ def _parse_args() -> argparse.Namespace:
     return args
 
 
-def _random_variables(module, images, mask) -> dict:
-    """Random draws of every variable's shape (sane scales; avoids compiling `init`)."""
-    import jax
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-
-    def draw(path, leaf):
-        name, shape = path[-1].key, leaf.shape
-        if name == "var":
-            return rng.uniform(0.5, 1.5, shape).astype(np.float32)
-        if name in ("kernel", "embedding"):
-            fan_in = np.prod(shape[:-1]) if name == "kernel" else shape[-1]
-            return (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
-        return ((name == "scale") + 0.1 * rng.standard_normal(shape)).astype(np.float32)
-
-    abstract = jax.eval_shape(module.init, jax.random.key(0), images[:1], mask[:1])
-    return jax.tree_util.tree_map_with_path(draw, abstract)
-
-
 def _canvases(args: argparse.Namespace):
     """Images [B, S, S, 3] (zero outside each image) and masks [B, S, S]."""
     import numpy as np
@@ -163,6 +143,7 @@ def _run_model(name: str, args: argparse.Namespace, images, mask, out_dir: str) 
     import onnxruntime as ort
 
     from ood_jax.models import exported, onnx_export, registry
+    from ood_jax.testing.random_variables import random_variables
 
     family, model_args = MODELS[name]
     if args.smoke:
@@ -170,7 +151,7 @@ def _run_model(name: str, args: argparse.Namespace, images, mask, out_dir: str) 
     module = registry.build_model(ml_collections.ConfigDict({"name": family, "args": model_args}))
     model = exported.ExportedModel(
         module,
-        _random_variables(module, images, mask),
+        random_variables(module, images[:1], mask[:1]),
         None,
         {
             "image_size": args.size,

@@ -18,6 +18,7 @@ import jax.numpy as jnp  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from ood_jax.models import convert, detr, resnet  # noqa: E402
+from ood_jax.testing.random_variables import random_variables  # noqa: E402
 
 ATOL = 1e-4
 _TINY = dict(
@@ -52,22 +53,6 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 t.copy_(1 + normal(t.shape, 0.1))
             else:
                 t.copy_(normal(t.shape, 0.1))
-
-
-def _random_variables(module: detr.DETR, images: jax.Array) -> dict:
-    """`_randomize` for Flax variables; much faster than compiling `module.init`."""
-    rng = np.random.default_rng(0)
-
-    def draw(path: tuple, leaf: jax.ShapeDtypeStruct) -> np.ndarray:
-        name, shape = path[-1].key, leaf.shape
-        if name == "var":
-            return rng.uniform(0.5, 1.5, shape).astype(np.float32)
-        if name in ("kernel", "embedding"):
-            return (rng.standard_normal(shape) / np.sqrt(np.prod(shape[:-1]))).astype(np.float32)
-        return ((name == "scale") + 0.1 * rng.standard_normal(shape)).astype(np.float32)
-
-    abstract = jax.eval_shape(module.init, jax.random.key(0), images)
-    return jax.tree_util.tree_map_with_path(draw, abstract)
 
 
 def _nhwc(x: torch.Tensor) -> jax.Array:
@@ -178,7 +163,7 @@ def test_detr_pixel_mask_and_bfloat16() -> None:
     )
     images, pixel_mask = _inputs(64, 96)
     images, pixel_mask = _nhwc(images), jnp.asarray(pixel_mask.numpy())
-    variables = _random_variables(module, images)
+    variables = random_variables(module, images)
     apply = jax.jit(module.apply)
     masked = apply(variables, images, pixel_mask)
     unmasked = apply(variables, images, jnp.ones_like(pixel_mask))
@@ -211,7 +196,7 @@ def test_query_groups_train_alone_and_infer_with_the_first() -> None:
     )
     images, _ = _inputs(64, 64)
     images = _nhwc(images)
-    variables = _random_variables(module, images)
+    variables = random_variables(module, images)
     grouped = jax.jit(lambda v, x: module.apply(v, x, train=True))(variables, images)
     assert grouped["logits"].shape == (2, 12, 4)
 

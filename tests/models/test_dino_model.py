@@ -40,6 +40,7 @@ from ood_jax.models import (  # noqa: E402
     resnet,
     vit,
 )
+from ood_jax.testing.random_variables import random_variables  # noqa: E402
 
 NUM_CLASSES, NUM_QUERIES, MAX_TARGETS, NUM_DN = 5, 12, 3, 12
 TINY_RESNET = resnet.ResNet(
@@ -59,23 +60,6 @@ TINY = dict(
 )
 
 
-def _random_variables(module, *args) -> dict:
-    """Random values of a sensible scale for every variable (fast: no init compile)."""
-    rng = np.random.default_rng(0)
-
-    def draw(path: tuple, leaf: jax.ShapeDtypeStruct) -> np.ndarray:
-        name, shape = path[-1].key, leaf.shape
-        if name == "var":
-            return rng.uniform(0.5, 1.5, shape).astype(np.float32)
-        if name in ("kernel", "embedding"):
-            fan_in = np.prod(shape[:-1]) if name == "kernel" else shape[-1]
-            return (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
-        return ((name == "scale") + 0.1 * rng.standard_normal(shape)).astype(np.float32)
-
-    abstract = jax.eval_shape(module.init, jax.random.key(0), *args)
-    return jax.tree_util.tree_map_with_path(draw, abstract)
-
-
 @pytest.fixture(scope="module")
 def tiny():
     module = dino.DINO(**TINY)
@@ -84,7 +68,7 @@ def tiny():
     pixel_mask = np.ones((2, 64, 64), bool)
     pixel_mask[1, 40:, :] = False
     pixel_mask[1, :, 36:] = False
-    variables = _random_variables(module, images)
+    variables = random_variables(module, images)
     targets = {
         "labels": jnp.asarray([[1, 4, 0], [2, 2, 3]], jnp.int32),
         "boxes": jnp.asarray(rng.uniform(0.2, 0.6, (2, MAX_TARGETS, 4)), jnp.float32),
@@ -227,7 +211,7 @@ def test_vit_backbone_and_input_checks() -> None:
     backbone = vit.ViT(width=32, depth=1, num_heads=2, mlp_dim=64, pos_grid=(4, 4))
     module = dino.DINO(**dict(TINY, backbone=backbone))
     images = jnp.zeros((1, 64, 64, 3))
-    variables = _random_variables(module, images)
+    variables = random_variables(module, images)
     # Shapes only: tracing shows the ViT's stride-16 map feeds the pyramid and the 4 levels.
     out = jax.eval_shape(module.apply, variables, images)
     assert out["boxes"].shape == (1, NUM_QUERIES, 4)

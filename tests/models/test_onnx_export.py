@@ -27,6 +27,7 @@ pytest.importorskip("jax2onnx")
 ort = pytest.importorskip("onnxruntime")
 
 from ood_jax.models import exported, onnx_export, registry, resnet  # noqa: E402
+from ood_jax.testing.random_variables import random_variables  # noqa: E402
 
 # Conversion takes seconds per model: left out of `make test-fast`.
 pytestmark = pytest.mark.slow
@@ -65,28 +66,11 @@ MODELS = {
 }
 
 
-def _random_variables(module, *args) -> dict:
-    """Random values of a sensible scale for every variable (fast: no init compile)."""
-    rng = np.random.default_rng(0)
-
-    def draw(path: tuple, leaf: jax.ShapeDtypeStruct) -> np.ndarray:
-        name, shape = path[-1].key, leaf.shape
-        if name == "var":
-            return rng.uniform(0.5, 1.5, shape).astype(np.float32)
-        if name in ("kernel", "embedding"):
-            fan_in = np.prod(shape[:-1]) if name == "kernel" else shape[-1]
-            return (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
-        return ((name == "scale") + 0.1 * rng.standard_normal(shape)).astype(np.float32)
-
-    abstract = jax.eval_shape(module.init, jax.random.key(0), *args)
-    return jax.tree_util.tree_map_with_path(draw, abstract)
-
-
 def build(name: str) -> exported.ExportedModel:
     config = ml_collections.ConfigDict({"name": name, "args": MODELS[name]})
     module = registry.build_model(config)
     images = jnp.zeros((1, SIDE, SIDE, 3), jnp.float32)
-    variables = _random_variables(module, images, jnp.ones((1, SIDE, SIDE), bool))
+    variables = random_variables(module, images, jnp.ones((1, SIDE, SIDE), bool))
     input_config = {
         "image_size": SIDE,
         "eval_size": 48,

@@ -22,6 +22,7 @@ import ml_collections  # noqa: E402
 
 from ood_jax.data import pipeline  # noqa: E402
 from ood_jax.models import convert_deformable, registry, transformers_export  # noqa: E402
+from ood_jax.testing.random_variables import random_variables  # noqa: E402
 
 TINY = dict(
     num_classes=3,
@@ -49,23 +50,6 @@ CASES = {
     ),
 }
 INPUT = {"eval_size": 96, "max_size": 128}
-
-
-def random_variables(module, images) -> dict:
-    """Every variable drawn at a sensible scale (no init compiled)."""
-    rng = np.random.default_rng(0)
-
-    def draw(path, leaf):
-        name, shape = path[-1].key, leaf.shape
-        if name == "var":
-            return rng.uniform(0.5, 1.5, shape).astype(np.float32)
-        if name in ("kernel", "embedding"):
-            fan_in = np.prod(shape[:-1]) if name == "kernel" else shape[-1]
-            return (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
-        return ((name == "scale") + 0.1 * rng.standard_normal(shape)).astype(np.float32)
-
-    abstract = jax.eval_shape(module.init, jax.random.key(0), images)
-    return jax.tree_util.tree_map_with_path(draw, abstract)
 
 
 def inputs() -> tuple[np.ndarray, np.ndarray]:
