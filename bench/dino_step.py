@@ -58,15 +58,14 @@ defaults (320x320, batch 2, float32, 2 cores, `--steps 3`): train step 3.24 s ag
 default) 8.58 s against 5.11 s (0.60x).
 
 `--memory [--size 800x1333] [--remat] [--dtype D]` measures instead the memory one train step
-needs at batch `--batch`: ours from the compiled step's `memory_analysis()` (`build_train_step`
-lowered on abstract arguments: compiled, never run) at the size, 3/4 and 1/2 of it in `--dtype`
-and at the size in the other dtype, with a linear fit in image area to pick a batch for a GPU;
-torch's as the peak-RSS increase (`resource.getrusage`) of one forward + backward + AdamW step
-in its own process. XLA's CPU pipeline expands optimization barriers before its CSE pass, which
-then merges `jax.checkpoint`'s recomputation back into the forward pass, so on CPU remat would
-save nothing; GPU and TPU keep the barriers through CSE. `--memory` therefore compiles with
-that one pass disabled (`--xla_disable_hlo_passes=cse_barrier_expander`), as the accelerators
-would schedule the step.
+needs at batch `--batch`: ours is `ood-jax train`'s own step (`train.jit_train_step` on
+configs/counts_dino_r50.py), whose canvas is the square of the longer side (1333x1333 for
+800x1333), from the compiled step's `memory_analysis()` (lowered on abstract arguments: compiled,
+never run) at the size, 3/4 and 1/2 of it in `--dtype` and at the size in the other dtype, with
+a linear fit in image area to pick a batch for a GPU; torch's as the peak-RSS increase
+(`resource.getrusage`) of one forward + backward + AdamW step at the rectangle itself in its own
+process. On CPU the trainer compiles the step without the pass that would undo remat
+(`train.step_compiler_options`).
 
 `--dtype bfloat16` runs ours in bfloat16 and torch in float32 (the header and the result line
 name each side's dtype). The last line is `common.result_line`'s: the train step (ratio torch /
@@ -80,6 +79,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import statistics
 import subprocess
 import sys
@@ -100,8 +100,6 @@ HEADS, HEAD_DIM, LEVELS, POINTS = 8, 32, 4, 4
 BACKBONE_LR, LR, WEIGHT_DECAY, CLIP_NORM = 1e-5, 1e-4, 1e-4, 0.1  # DINO's recipe
 # Parameters DINO and transformers leave frozen: the stem and the first ResNet stage.
 FROZEN = ("backbone/stem_", "backbone/stage1_")
-# The CPU pass that drops optimization barriers before CSE (see the module docstring).
-CSE_BARRIER_PASS = "cse_barrier_expander"
 BACKBONE = "resnet50"
 # Model sizes on top of the defaults (DINO-4scale R50's); --smoke shrinks them.
 OUR_SIZES: dict[str, Any] = {}
@@ -452,39 +450,39 @@ def _op_inputs(args: argparse.Namespace):
 
 
 def our_step_memory(
-    height: int, width: int, batch: int, dtype, remat: bool, num_dn: int, use_loss: bool
+    height: int, width: int, batch: int, dtype: str, remat: bool, smoke: bool
 ) -> dict[str, float]:
-    """Bytes our train step needs at batch x height x width, from the compiled step's
-    `memory_analysis()`: everything is abstract (`jax.ShapeDtypeStruct`), nothing runs.
+    """Bytes `ood-jax train`'s own step needs (`train.jit_train_step` on
+    configs/counts_dino_r50.py, or synthetic_dino.py:smoke with `smoke`) at batch on the
+    trainer's square canvas of side max(height, width), from the compiled step's
+    `memory_analysis()`: everything is abstract, nothing runs. The trainer itself keeps
+    remat effective on CPU (`train.step_compiler_options`).
 
     "peak" is temp + arguments + outputs - aliased: the donated state's outputs reuse its
-    argument buffers, so they are counted once. On CPU, remat shows only with
-    `--xla_disable_hlo_passes=cse_barrier_expander` in XLA_FLAGS before jax starts (`main` sets
-    it; see the module docstring).
+    argument buffers, so they are counted once.
     """
     import jax
-    import jax.numpy as jnp
 
-    from ood_jax.models import dino
+    from ood_jax import config_files, sharding
+    from ood_jax.data import pipeline
+    from ood_jax.train import train
 
-    module = dino.DINO(
-        num_classes=NUM_CLASSES, num_queries=NUM_QUERIES, remat=remat, dtype=dtype, **OUR_SIZES
-    )
-    spec = jax.ShapeDtypeStruct
-    images = spec((batch, height, width, 3), jnp.float32)
-    variables = jax.eval_shape(
-        module.init, jax.random.key(0), spec((1, height, width, 3), jnp.float32)
-    )
-    steps = build_train_step(module, variables, num_dn, use_loss)
-    targets = (
-        spec((batch, MAX_BOXES, 4), jnp.float32),
-        spec((batch, MAX_BOXES), jnp.int32),
-        spec((batch, MAX_BOXES), bool),
-    )
-    batch_spec = jax.eval_shape(_batch, images, *targets)
-    rng = jax.eval_shape(lambda: jax.random.key(0))
+    configs = pathlib.Path(__file__).resolve().parents[1] / "configs"
+    if smoke:
+        config = config_files.load(configs / "synthetic_dino.py", "smoke")
+        config.model.args.num_queries = 10  # the smoke sizes' smallest image holds 22 positions
+    else:
+        config = config_files.load(configs / "counts_dino_r50.py")
+    config.input.image_size = max(height, width)
+    config.input.batch_size = batch
+    config.model.dtype = dtype
+    config.model.args.remat = remat
+    mesh = sharding.make_mesh([("data", 1)], jax.devices()[:1])
+    layout = train.build_layout(config, mesh, steps_per_epoch=10.0)
     start = time.perf_counter()
-    lowered = steps["train"].lower(steps["state"], steps["fixed"], batch_spec, rng)
+    lowered = train.jit_train_step(config, layout).lower(
+        layout.abstract_state, pipeline.batch_spec(config.input), jax.random.key(0)
+    )
     sizes = common.compiled_memory(lowered.compile())
     if sizes is None:
         raise RuntimeError("this backend's compiled step has no memory_analysis()")
@@ -524,26 +522,24 @@ def _torch_memory_child(args: argparse.Namespace) -> None:
     print(json.dumps({"peak_increase": (after - before) * 1024, "seconds": seconds}))  # KiB
 
 
-def _memory_report(args: argparse.Namespace, use_loss: bool) -> None:
-    import jax.numpy as jnp
+def _memory_report(args: argparse.Namespace) -> None:
     import numpy as np
 
     height, width = args.hw
     sizes = [(round(height * f), round(width * f)) for f in (0.5, 0.75, 1.0)]
-    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     ours = {
-        hw: our_step_memory(*hw, args.batch, dtype, args.remat, args.dn, use_loss) for hw in sizes
+        hw: our_step_memory(*hw, args.batch, args.dtype, args.remat, args.smoke) for hw in sizes
     }
-    other = jnp.float32 if dtype == jnp.bfloat16 else jnp.bfloat16
     other_name = "float32" if args.dtype == "bfloat16" else "bfloat16"
-    full = our_step_memory(height, width, args.batch, other, args.remat, args.dn, use_loss)
+    full = our_step_memory(height, width, args.batch, other_name, args.remat, args.smoke)
     torch_memory = None if args.no_torch else _torch_step_memory(args)
 
     gb = 1e9
     print(
-        f"DINO-4scale R50 train step memory, batch {args.batch}, remat {args.remat}, "
-        f"{args.dn} denoising budget (ours: compiled step's memory_analysis(), not run; "
-        "peak = temp + arguments + outputs - aliased donated state)"
+        f"DINO-4scale R50 train step memory, batch {args.batch}, remat {args.remat} (ours: "
+        "`ood-jax train`'s own step on configs/counts_dino_r50.py, its square canvas of the "
+        "longer side, compiled memory_analysis(), not run; peak = temp + arguments + outputs - "
+        "aliased donated state)"
     )
     print(
         f"  {'size':>10s} {'dtype':>9s} {'temp GB':>8s} {'args GB':>8s} {'out GB':>7s} "
@@ -582,11 +578,16 @@ def _memory_report(args: argparse.Namespace, use_loss: bool) -> None:
         f"  torch (transformers two-stage Deformable DETR, fp32): peak RSS +{theirs / gb:.2f} GB "
         f"for one step ({torch_memory['seconds']:.0f} s)"
     )
-    print(
-        f"at {height}x{width}, batch {args.batch}: ours float32 {by_dtype['float32'] / gb:.2f} GB, "
-        f"ours bfloat16 {by_dtype['bfloat16'] / gb:.2f} GB, torch {theirs / gb:.2f} GB; "
+    # A toy step (--smoke) may fit in memory torch's process already holds: no increase.
+    shares = (
         f"ours/torch float32 {by_dtype['float32'] / theirs:.2f}, "
         f"bfloat16 {by_dtype['bfloat16'] / theirs:.2f}"
+        if theirs > 0
+        else "no torch increase to compare with"
+    )
+    print(
+        f"at {height}x{width}, batch {args.batch}: ours float32 {by_dtype['float32'] / gb:.2f} GB, "
+        f"ours bfloat16 {by_dtype['bfloat16'] / gb:.2f} GB, torch {theirs / gb:.2f} GB; {shares}"
     )
     # The ratio is torch / ours like the timings', computed here on bytes: ours_s and peer_s
     # stay null so that no reader takes bytes for seconds.
@@ -607,9 +608,6 @@ def main() -> None:
     if args.torch_memory_child:
         _torch_memory_child(args)
         return
-    if args.memory:  # before jax starts; see the module docstring
-        flags = os.environ.get("XLA_FLAGS", "")
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_disable_hlo_passes={CSE_BARRIER_PASS}".strip()
     torch_threads = args.torch_threads or os.cpu_count()
     if not (args.no_torch or args.memory):  # --memory runs torch in its own process
         # torch (and what it loads) before anything that may import tensorflow: triton
@@ -634,7 +632,7 @@ def main() -> None:
         )
 
     if args.memory:
-        _memory_report(args, use_loss)
+        _memory_report(args)
         return
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     inputs = _inputs(args)

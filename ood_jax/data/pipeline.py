@@ -402,6 +402,25 @@ def eval_dataset(
 # ------------------------------------------------------------------------------------------------
 
 
+def batch_spec(config: ml_collections.ConfigDict) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shapes and dtypes of one global device batch of `config` (config.input), without the
+    host-only keys: what a step is compiled for before any data exists."""
+    c = _checked(config)
+    b, s, m = c.batch_size, c.image_size, c.max_boxes
+    shapes = {
+        "image": ((b, s, s, 3), np.float32),
+        "image_mask": ((b, s, s), np.bool_),
+        "image_size": ((b, 2), np.int32),
+        "orig_size": ((b, 2), np.int32),
+        "boxes": ((b, m, 4), np.float32),
+        "labels": ((b, m), np.int32),
+        "box_mask": ((b, m), np.bool_),
+        "domain": ((b,), np.int32),
+        "valid": ((b,), np.bool_),
+    }
+    return {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in shapes.items()}
+
+
 def boxes_on_canvas(boxes: np.ndarray, image_size: np.ndarray, canvas: int) -> np.ndarray:
     """Normalized cxcywh relative to the unpadded image [..., M, 4] -> relative to the canvas.
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_lowering import FAMILIES, batch_spec, small_config
+from test_lowering import FAMILIES, small_config
 
 from ood_jax import cli, datasets, sharding
 from ood_jax.data import pipeline
@@ -85,7 +85,7 @@ def trace_train_step(config, monkeypatch):
     for module in (set_loss, focal_set_loss):  # each calls the matcher by its own name
         recording(module, "hungarian_match", "costs", lambda cost: {str(cost.dtype)})
     step = train.jit_train_step(config, layout)
-    args = (layout.abstract_state, batch_spec(config), jax.random.key(0))
+    args = (layout.abstract_state, pipeline.batch_spec(config.input), jax.random.key(0))
     jaxpr, shapes = jax.make_jaxpr(step, return_shape=True)(*args)
     return layout, str(jaxpr), shapes, seen
 
@@ -105,7 +105,7 @@ def test_bf16_computes_in_bf16_and_keeps_state_losses_and_matching_in_float32(fa
     # The forward pass: every submodule of the detector returns bfloat16 activations (the
     # backbone's stages, projections, encoder and decoder layers, the heads before the cast).
     st = layout.abstract_state
-    batch = batch_spec(config)
+    batch = pipeline.batch_spec(config.input)
     _, captured = jax.eval_shape(
         lambda params, model_state, images, mask: layout.model.apply(
             {"params": params, **model_state},

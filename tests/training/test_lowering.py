@@ -26,6 +26,7 @@ import pytest
 from jax import export
 
 from ood_jax import config_files, sharding
+from ood_jax.data import pipeline
 from ood_jax.train import train
 
 # Trains, launches processes or starts servers: left out of `make test-fast`.
@@ -60,23 +61,6 @@ def small_config(family: str, dtype: str = "float32") -> ml_collections.ConfigDi
     return config
 
 
-def batch_spec(config: ml_collections.ConfigDict) -> dict[str, jax.ShapeDtypeStruct]:
-    """A device batch as `ood_jax.data.pipeline` documents it (host-only image_id aside)."""
-    b, s, m = config.input.batch_size, config.input.image_size, config.input.max_boxes
-    shapes = {
-        "image": ((b, s, s, 3), jnp.float32),
-        "image_mask": ((b, s, s), bool),
-        "image_size": ((b, 2), jnp.int32),
-        "orig_size": ((b, 2), jnp.int32),
-        "boxes": ((b, m, 4), jnp.float32),
-        "labels": ((b, m), jnp.int32),
-        "box_mask": ((b, m), bool),
-        "domain": ((b,), jnp.int32),
-        "valid": ((b,), bool),
-    }
-    return {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in shapes.items()}
-
-
 def custom_call_targets(module_text: str) -> set[str]:
     return set(re.findall(r"custom_call @([\w.$-]+)", module_text)) | set(
         re.findall(r'call_target_name = "([^"]+)"', module_text)
@@ -92,7 +76,7 @@ def modules() -> dict[tuple[str, str, tuple[str, ...], str], str]:
             config = small_config(family, dtype)
             mesh = sharding.make_mesh(config.mesh)
             layout = train.build_layout(config, mesh, steps_per_epoch=10.0)
-            batch = batch_spec(config)
+            batch = pipeline.batch_spec(config.input)
             steps = {
                 "train": (train.jit_train_step(config, layout), (batch, jax.random.key(0))),
                 "predict": (train.jit_predict_step(layout), (batch,)),

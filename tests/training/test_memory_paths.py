@@ -119,6 +119,7 @@ def _trainer_step_temp_bytes(remat: bool) -> int:
     """Temp bytes of the compiled `train.jit_train_step` of a small DINO (the smoke config, three
     encoder layers) at 256x256, batch 2: compiled abstractly, nothing runs."""
     from ood_jax import config_files, sharding
+    from ood_jax.data import pipeline
     from ood_jax.train import train
 
     config = config_files.load(REPO / "configs" / "synthetic_dino.py", "smoke")
@@ -127,19 +128,7 @@ def _trainer_step_temp_bytes(remat: bool) -> int:
     config.model.args.num_encoder_layers = 3
     config.model.args.remat = remat
     layout = train.build_layout(config, sharding.make_mesh(config.mesh), steps_per_epoch=10.0)
-    b, s, m = 2, 256, config.input.max_boxes
-    spec = jax.ShapeDtypeStruct
-    batch = {
-        "image": spec((b, s, s, 3), jnp.float32),
-        "image_mask": spec((b, s, s), bool),
-        "image_size": spec((b, 2), jnp.int32),
-        "orig_size": spec((b, 2), jnp.int32),
-        "boxes": spec((b, m, 4), jnp.float32),
-        "labels": spec((b, m), jnp.int32),
-        "box_mask": spec((b, m), bool),
-        "domain": spec((b,), jnp.int32),
-        "valid": spec((b,), bool),
-    }
+    batch = pipeline.batch_spec(config.input)
     step = train.jit_train_step(config, layout)
     compiled = step.lower(layout.abstract_state, batch, jax.random.key(0)).compile()
     return compiled.memory_analysis().temp_size_in_bytes
