@@ -57,7 +57,7 @@ defaults (320x320, batch 2, float32, 2 cores, `--steps 3`): train step 3.24 s ag
 (1.23x), inference 1.10 s against 1.40 s (1.28x); with `OOD_JAX_MALLOC=system` (glibc's
 default) 8.58 s against 5.11 s (0.60x).
 
-`--memory [--size 800x1333] [--remat] [--dtype D]` measures instead the memory one train step
+`--memory [--size 800x1333] [--dtype D]` measures instead the memory one train step
 needs at batch `--batch`: ours is `ood-jax train`'s own step (`train.jit_train_step` on
 configs/counts_dino_r50.py), whose canvas is the square of the longer side (1333x1333 for
 800x1333), from the compiled step's `memory_analysis()` (lowered on abstract arguments: compiled,
@@ -449,14 +449,13 @@ def _op_inputs(args: argparse.Namespace):
 # --------------------------------------------------------------------------------------------
 
 
-def our_step_memory(
-    height: int, width: int, batch: int, dtype: str, remat: bool, smoke: bool
-) -> dict[str, float]:
+def our_step_memory(height: int, width: int, batch: int, dtype: str, smoke: bool) -> dict[str, Any]:
     """Bytes `ood-jax train`'s own step needs (`train.jit_train_step` on
     configs/counts_dino_r50.py, or synthetic_dino.py:smoke with `smoke`) at batch on the
     trainer's square canvas of side max(height, width), from the compiled step's
-    `memory_analysis()`: everything is abstract, nothing runs. The trainer itself keeps
-    remat effective on CPU (`train.step_compiler_options`).
+    `memory_analysis()`: everything is abstract, nothing runs. Remat is the config's (on at
+    paper scale), and the trainer itself keeps it effective on CPU
+    (`train.step_compiler_options`).
 
     "peak" is temp + arguments + outputs - aliased: the donated state's outputs reuse its
     argument buffers, so they are counted once.
@@ -476,7 +475,6 @@ def our_step_memory(
     config.input.image_size = max(height, width)
     config.input.batch_size = batch
     config.model.dtype = dtype
-    config.model.args.remat = remat
     mesh = sharding.make_mesh([("data", 1)], jax.devices()[:1])
     layout = train.build_layout(config, mesh, steps_per_epoch=10.0)
     start = time.perf_counter()
@@ -486,7 +484,8 @@ def our_step_memory(
     sizes = common.compiled_memory(lowered.compile())
     if sizes is None:
         raise RuntimeError("this backend's compiled step has no memory_analysis()")
-    return {**sizes, "compile_s": time.perf_counter() - start}
+    remat = bool(config.model.args.get("remat", False))
+    return {**sizes, "compile_s": time.perf_counter() - start, "remat": remat}
 
 
 def _torch_step_memory(args: argparse.Namespace) -> dict[str, float]:
@@ -527,16 +526,14 @@ def _memory_report(args: argparse.Namespace) -> None:
 
     height, width = args.hw
     sizes = [(round(height * f), round(width * f)) for f in (0.5, 0.75, 1.0)]
-    ours = {
-        hw: our_step_memory(*hw, args.batch, args.dtype, args.remat, args.smoke) for hw in sizes
-    }
+    ours = {hw: our_step_memory(*hw, args.batch, args.dtype, args.smoke) for hw in sizes}
     other_name = "float32" if args.dtype == "bfloat16" else "bfloat16"
-    full = our_step_memory(height, width, args.batch, other_name, args.remat, args.smoke)
+    full = our_step_memory(height, width, args.batch, other_name, args.smoke)
     torch_memory = None if args.no_torch else _torch_step_memory(args)
 
     gb = 1e9
     print(
-        f"DINO-4scale R50 train step memory, batch {args.batch}, remat {args.remat} (ours: "
+        f"DINO-4scale R50 train step memory, batch {args.batch}, remat {full['remat']} (ours: "
         "`ood-jax train`'s own step on configs/counts_dino_r50.py, its square canvas of the "
         "longer side, compiled memory_analysis(), not run; peak = temp + arguments + outputs - "
         "aliased donated state)"
