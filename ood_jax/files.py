@@ -9,7 +9,7 @@ import os
 import pathlib
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 
@@ -44,6 +44,19 @@ def write_json_atomic(path: str | os.PathLike, obj: Any, indent: int | None = 2)
 def write_jsonl_atomic(path: str | os.PathLike, records: Any) -> pathlib.Path:
     """One JSON object per line."""
     return write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+
+
+def export_directory(out_dir: str | os.PathLike, kind: str, markers: Sequence[str]) -> pathlib.Path:
+    """`out_dir` as an absolute path, refused (FileExistsError naming it) when it exists and is
+    not a previous `kind` export, i.e. lacks one of the `markers` files: replacing it would
+    delete what someone else put there."""
+    out_dir = pathlib.Path(out_dir).absolute()
+    if out_dir.exists() and not all((out_dir / name).is_file() for name in markers):
+        raise FileExistsError(
+            f"--out {out_dir}: exists and is no {kind} (no {' and '.join(markers)}); name a new "
+            "directory"
+        )
+    return out_dir
 
 
 @contextlib.contextmanager

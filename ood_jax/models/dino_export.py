@@ -170,11 +170,7 @@ def write_official_dino(
     module = registry.build_model(
         ml_collections.ConfigDict({"name": "dino", "args": dict(module_args)})
     )
-    out_dir = pathlib.Path(out_dir).absolute()
-    if out_dir.exists() and not (out_dir / ARGS_FILE).is_file():
-        raise FileExistsError(
-            f"--out {out_dir}: exists and is no DINO export (no {ARGS_FILE}); name a new directory"
-        )
+    out_dir = files.export_directory(out_dir, "DINO export", [ARGS_FILE])
     config = idea_config(module)
     state = official_state_dict(module, variables)
     # One tensor per array: a shared head's names then share one storage in the file, as in

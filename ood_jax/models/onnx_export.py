@@ -232,14 +232,7 @@ def write_onnx(
     gives a bfloat16 graph, which onnxruntime's CPU provider cannot run (it has no bfloat16
     Conv).
     """
-    out_dir = pathlib.Path(out_dir).absolute()
-    if out_dir.exists() and not all(
-        (out_dir / name).is_file() for name in (ONNX_FILE, CONTRACT_FILE)
-    ):
-        raise FileExistsError(
-            f"--out {out_dir}: exists and is no onnx export (no {ONNX_FILE} and "
-            f"{CONTRACT_FILE}); name a new directory"
-        )
+    out_dir = files.export_directory(out_dir, "onnx export", [ONNX_FILE, CONTRACT_FILE])
     graph = convert(model, batch_size)
     with files.replaced_directory(out_dir) as staging:
         (staging / ONNX_FILE).write_bytes(graph.SerializeToString())

@@ -113,14 +113,7 @@ def write_stablehlo(
     reader sees the previous export or the whole new one. An `out_dir` that holds anything but
     a previous export is refused.
     """
-    out_dir = pathlib.Path(out_dir).absolute()
-    if out_dir.exists() and not all(
-        (out_dir / name).is_file() for name in (ARTIFACT_FILE, CONTRACT_FILE)
-    ):
-        raise FileExistsError(
-            f"--out {out_dir}: exists and is no stablehlo export (no {ARTIFACT_FILE} and "
-            f"{CONTRACT_FILE}); name a new directory"
-        )
+    out_dir = files.export_directory(out_dir, "stablehlo export", [ARTIFACT_FILE, CONTRACT_FILE])
     artifact = export_predict(model, batch_size, platforms)
     with files.replaced_directory(out_dir) as staging:
         (staging / ARTIFACT_FILE).write_bytes(artifact.serialize())

@@ -244,12 +244,7 @@ def write(
         family.inference_variables(args, variables), family.rules(config), template
     )
     model.load_state_dict({key: torch.from_numpy(state[checkpoint_key(key)]) for key in live})
-    out_dir = pathlib.Path(out_dir).absolute()
-    if out_dir.exists() and not (out_dir / "config.json").is_file():
-        raise FileExistsError(
-            f"--out {out_dir}: exists and is no transformers model (no config.json); name a new "
-            "directory"
-        )
+    out_dir = files.export_directory(out_dir, "transformers model", ["config.json"])
     with files.replaced_directory(out_dir) as staging:
         model.save_pretrained(staging, safe_serialization=True)
         getattr(transformers, family.processor_class)(
