@@ -157,11 +157,22 @@ def inference_variables(args: Mapping[str, Any], variables: Mapping[str, Any]) -
     return {**variables, "params": params}
 
 
-def _deformable_checkpoint_key(config: Any) -> Callable[[str], str]:
+def _deformable_checkpoint_key(config: Any, args: Mapping[str, Any]) -> Callable[[str], str]:
     """Live key -> the key the importer's rules read after it folds tied heads: transformers
-    keeps a head under `model.decoder.` too, and a shared head is read from layer 0."""
+    keeps a head under `model.decoder.` too, and a head our model shares is read from layer 0
+    (into each of transformers' heads where it keeps one per layer)."""
     layers = config.decoder_layers
-    shared = {"class_embed": not config.two_stage, "bbox_embed": not config.with_box_refine}
+    # As `deformable_detr.DeformableDetr` decides: None ties as transformers does.
+    shared = {
+        "class_embed": args.get("shared_class_head", None),
+        "bbox_embed": args.get("shared_box_head", None),
+    }
+    shared["class_embed"] = (
+        not config.two_stage if shared["class_embed"] is None else shared["class_embed"]
+    )
+    shared["bbox_embed"] = (
+        not config.with_box_refine if shared["bbox_embed"] is None else shared["bbox_embed"]
+    )
 
     def checkpoint_key(key: str) -> str:
         key = convert_deformable.canonical_hf_key(key)
@@ -184,7 +195,8 @@ class _Family:
     model_class: str
     processor_class: str
     rules: Callable[[Any], list[convert_torch.Rule]]  # of the transformers config
-    checkpoint_key: Callable[[Any], Callable[[str], str]]  # config -> live key -> rules' key
+    # (transformers config, our model args) -> live key -> the key the rules read
+    checkpoint_key: Callable[[Any, Mapping[str, Any]], Callable[[str], str]]
     inference_variables: Callable[[Mapping[str, Any], Mapping[str, Any]], Mapping[str, Any]]
 
 
@@ -194,7 +206,7 @@ FAMILIES = {
         "DetrForObjectDetection",
         "DetrImageProcessor",
         lambda config: convert.detr_module_from_config(config)[1],
-        lambda config: convert.canonical_detr_key,
+        lambda config, args: convert.canonical_detr_key,
         inference_variables,
     ),
     "deformable_detr": _Family(
@@ -235,7 +247,7 @@ def write(
     config = family.make_config(args, class_names)
     model = getattr(transformers, family.model_class)(config).eval()
     live = model.state_dict()
-    checkpoint_key = family.checkpoint_key(config)
+    checkpoint_key = family.checkpoint_key(config, args)
     # Tied copies of a tensor are one key of the template, filled once.
     template: dict[str, tuple[int, ...]] = {}
     for key, tensor in live.items():

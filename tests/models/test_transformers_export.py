@@ -37,8 +37,9 @@ TINY = dict(
     backbone="resnet18",
 )
 CASES = {
-    # DINO's options: queries from the encoder's top-k proposals, one box head per layer.
-    "two-stage-refine": dict(two_stage=True, with_box_refine=True),
+    # DINO's options: queries from the encoder's top-k proposals, one class head per layer; our
+    # one box head goes into each of transformers' per-layer box heads.
+    "two-stage-refine": dict(two_stage=True, with_box_refine=True, shared_box_head=True),
     # Learned queries, one class and one box head shared by every layer; two backbone maps and
     # one extra level, a trainable BatchNorm and dropout rates of our own.
     "plain-c4-c5": dict(
@@ -118,6 +119,14 @@ def test_deformable_detr_export_loads_in_transformers_and_predicts_as_ours(case,
     reread_module, reread = convert_deformable.deformable_detr_from_hf(out)
     for field in ("num_queries", "num_feature_levels", "two_stage", "with_box_refine"):
         assert getattr(reread_module, field) == getattr(module, field), field
+    # The importer reads head sharing from the tensors; ours None ties as transformers does.
+    ties = {
+        "shared_class_head": not module.two_stage,
+        "shared_box_head": not module.with_box_refine,
+    }
+    for field, tied in ties.items():
+        ours = getattr(module, field)
+        assert getattr(reread_module, field) == (tied if ours is None else ours), field
     assert reread_module.backbone_stages == module.backbone_stages
     written, read = by_path(variables), by_path(reread)
     assert read.keys() == written.keys()
