@@ -405,6 +405,20 @@ def encode_images(
     return x, flat
 
 
+def shared_heads(
+    two_stage: bool,
+    with_box_refine: bool,
+    shared_class_head: bool | None = None,
+    shared_box_head: bool | None = None,
+) -> tuple[bool, bool]:
+    """(class head, box head): whether one head serves every decoder layer. None ties as
+    transformers does: the class head unless two-stage, the box head unless refining boxes."""
+    return (
+        (not two_stage) if shared_class_head is None else shared_class_head,
+        (not with_box_refine) if shared_box_head is None else shared_box_head,
+    )
+
+
 class DeformableDetr(backbones.MultiScaleBackboneFields):
     """Deformable DETR.
 
@@ -459,11 +473,8 @@ class DeformableDetr(backbones.MultiScaleBackboneFields):
     def _heads(self) -> tuple[list[nn.Module], list[nn.Module]]:
         """Class and box head of each decoder layer (and, two-stage, the encoder's last)."""
         layers = self.num_decoder_layers
-        shared_class = (
-            (not self.two_stage) if self.shared_class_head is None else self.shared_class_head
-        )
-        shared_box = (
-            (not self.with_box_refine) if self.shared_box_head is None else self.shared_box_head
+        shared_class, shared_box = shared_heads(
+            self.two_stage, self.with_box_refine, self.shared_class_head, self.shared_box_head
         )
         count = layers + int(self.two_stage)
         class_heads = [

@@ -10,6 +10,7 @@ the jaxpr of `predict_canvas`; running the graph needs an ONNX runtime alone.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata
 import json
 import logging
@@ -166,9 +167,7 @@ def convert(model: exported.ExportedModel, batch_size: int | None = None) -> Any
     # Remat changes no value, and its chunked sampling loop would reach the graph as a scan.
     if getattr(module, "remat", False):
         module = module.clone(remat=False)
-    plain = exported.ExportedModel(
-        module, model.variables, model.class_names, model.input_config, model.step
-    )
+    plain = dataclasses.replace(model, module=module)
 
     def predict(images: jax.Array, mask: jax.Array) -> tuple[jax.Array, ...]:
         out = plain.predict_canvas(images, mask)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ood_jax import files
-from ood_jax.models import convert, convert_deformable, convert_torch
+from ood_jax.models import convert, convert_deformable, convert_torch, deformable_detr
 from ood_jax.models.backbones import MULTI_SCALE_STAGES
 
 # Our ResNets by the name timm gives the same layout (TORCHVISION_RESNET_RULES reads both).
@@ -109,9 +109,9 @@ def deformable_detr_config(args: Mapping[str, Any], class_names: Sequence[str] |
         )
     two_stage = bool(args.get("two_stage", False))
     box_refine = bool(args.get("with_box_refine", False))
-    # transformers shares the class head unless two-stage and the box head unless refining
-    # boxes; one head per layer where it shares cannot be written, one shared head can.
-    for field, tied in (("shared_class_head", not two_stage), ("shared_box_head", not box_refine)):
+    # One head per layer where transformers shares one cannot be written; one shared head can.
+    tied_in_transformers = deformable_detr.shared_heads(two_stage, box_refine)
+    for field, tied in zip(("shared_class_head", "shared_box_head"), tied_in_transformers):
         if tied and args.get(field) is False:
             raise ValueError(
                 f"config.model.args.{field}=False: transformers' Deformable DETR (two_stage="
@@ -162,17 +162,13 @@ def _deformable_checkpoint_key(config: Any, args: Mapping[str, Any]) -> Callable
     keeps a head under `model.decoder.` too, and a head our model shares is read from layer 0
     (into each of transformers' heads where it keeps one per layer)."""
     layers = config.decoder_layers
-    # As `deformable_detr.DeformableDetr` decides: None ties as transformers does.
-    shared = {
-        "class_embed": args.get("shared_class_head", None),
-        "bbox_embed": args.get("shared_box_head", None),
-    }
-    shared["class_embed"] = (
-        not config.two_stage if shared["class_embed"] is None else shared["class_embed"]
+    shared_class, shared_box = deformable_detr.shared_heads(
+        config.two_stage,
+        config.with_box_refine,
+        args.get("shared_class_head"),
+        args.get("shared_box_head"),
     )
-    shared["bbox_embed"] = (
-        not config.with_box_refine if shared["bbox_embed"] is None else shared["bbox_embed"]
-    )
+    shared = {"class_embed": shared_class, "bbox_embed": shared_box}
 
     def checkpoint_key(key: str) -> str:
         key = convert_deformable.canonical_hf_key(key)

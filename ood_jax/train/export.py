@@ -68,6 +68,9 @@ def dataset_class_names(dataset: dict[str, Any]) -> list[str] | None:
 
 FORMATS = ("msgpack", "stablehlo", "onnx", "transformers", "pytorch")
 
+# The formats that trace the predict function; only these have a batch size to fix.
+_TRACED_WRITERS = {"stablehlo": portable.write_stablehlo, "onnx": onnx_export.write_onnx}
+
 
 def export(
     workdir: str | pathlib.Path,
@@ -92,6 +95,10 @@ def export(
     """
     if file_format not in FORMATS:
         raise ValueError(f"unknown export format {file_format!r}; expected {' or '.join(FORMATS)}")
+    if batch_size is not None and file_format not in _TRACED_WRITERS:
+        raise ValueError(
+            f"--batch-size applies to --format {' or '.join(_TRACED_WRITERS)}, not {file_format}"
+        )
     out_path = pathlib.Path(out_path).absolute()
     if file_format == "msgpack" and out_path.is_dir():
         raise IsADirectoryError(
@@ -141,15 +148,8 @@ def export(
         step=step,
         model_name=config.get("model_name"),
     )
-    if file_format == "stablehlo":
-        return portable.write_stablehlo(
-            exported.ExportedModel.from_payload(payload),
-            out_path,
-            batch_size=batch_size,
-            extra_files=card,
-        )
-    if file_format == "onnx":
-        return onnx_export.write_onnx(
+    if file_format in _TRACED_WRITERS:
+        return _TRACED_WRITERS[file_format](
             exported.ExportedModel.from_payload(payload),
             out_path,
             batch_size=batch_size,

@@ -13,7 +13,6 @@ alone (symbolic batch); a graph exported for a fixed batch says so in its input 
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 
@@ -27,6 +26,7 @@ pytest.importorskip("jax2onnx")
 ort = pytest.importorskip("onnxruntime")
 
 from ood_jax.models import exported, onnx_export, registry, resnet  # noqa: E402
+from ood_jax.testing.detections import assert_same_detections  # noqa: E402
 from ood_jax.testing.random_variables import random_variables  # noqa: E402
 
 # Conversion takes seconds per model: left out of `make test-fast`.
@@ -100,37 +100,12 @@ def canvases(seed: int, sizes: list[tuple[int, int]]) -> tuple[np.ndarray, np.nd
     return images, mask
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def class_scores(module, variables, images, mask) -> tuple[jax.Array, jax.Array]:
-    """Every query's score of every class [B, Q, C] and its box [B, Q, 4]: what the
-    post-processing picks its detections from."""
-    out = module.apply(variables, images, mask, train=False)
-    if type(module).family == "detr":
-        return jax.nn.softmax(out["logits"], -1)[..., :-1], out["boxes"]
-    return jax.nn.sigmoid(out["logits"]), out["boxes"]
-
-
 def compare(model: exported.ExportedModel, session, images, mask, ref) -> dict[str, float]:
     """Asserts the graph's detections on (images, mask) are `ref` (`predict_canvas`'s on them)
     up to ties (see the module docstring) and returns the max differences."""
     got = dict(zip(onnx_export.OUTPUT_NAMES, session.run(None, {"images": images, "mask": mask})))
-    assert got["labels"].dtype == np.int32 and got["labels"].shape == ref["labels"].shape
-    score_diff = float(np.abs(got["scores"] - ref["scores"]).max())
-    assert score_diff <= TOL
-
-    same = (got["labels"] == ref["labels"]) & (np.abs(got["boxes"] - ref["boxes"]).max(-1) <= TOL)
-    if not same.all():
-        table, boxes = jax.device_get(class_scores(model.module, model.variables, images, mask))
-    for b, k in zip(*np.nonzero(~same)):
-        # A tie broken the other way: the detection must still be one the model made, at the
-        # score this slot has.
-        label = got["labels"][b, k]
-        match = (np.abs(table[b, :, label] - got["scores"][b, k]) <= TOL) & (
-            np.abs(boxes[b] - got["boxes"][b, k]).max(-1) <= TOL
-        )
-        assert match.any(), f"image {b} detection {k}: {label}, {got['boxes'][b, k]} is none"
-    box_diff = float(np.abs(got["boxes"] - ref["boxes"]).max(-1)[same].max())
-    return {"boxes": box_diff, "scores": score_diff, "ties": int((~same).sum())}
+    assert got["labels"].dtype == np.int32
+    return assert_same_detections(model.module, model.variables, images, mask, got, ref, TOL)
 
 
 # The whole canvas, an image of 48x36 and one of 40x64 on it: predict_canvas compiles once.

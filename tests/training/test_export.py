@@ -28,6 +28,7 @@ from flax import serialization
 
 from ood_jax.data import pipeline
 from ood_jax.models import EXPORT_FORMAT_VERSION, load_exported, registry, transformers_export
+from ood_jax.testing.detections import assert_same_detections
 from ood_jax.train import checkpoint, train
 from ood_jax.train import export as export_lib
 
@@ -217,6 +218,11 @@ def test_bad_paths_are_named(run, tmp_path):
         export_lib.export(run["workdir"], tmp_path / "out.msgpack", step=7)
     with pytest.raises(ValueError, match="3 class names for config.model.args.num_classes=8"):
         export_lib.export(run["workdir"], tmp_path / "out.msgpack", class_names=["a", "b", "c"])
+    for file_format in ("msgpack", "transformers", "pytorch"):
+        with pytest.raises(ValueError, match=f"stablehlo or onnx, not {file_format}"):
+            export_lib.export(
+                run["workdir"], tmp_path / "out.msgpack", file_format=file_format, batch_size=2
+            )
     assert not (tmp_path / "out.msgpack").exists()
 
 
@@ -353,12 +359,11 @@ def test_onnx_export_runs_in_onnxruntime_as_ours(run, tmp_path):
     canvas = np.stack([np.asarray(c) for c, _ in prepared])
     mask = np.stack([np.asarray(m) for _, m in prepared])
     session = onnxruntime.InferenceSession(str(out / "model.onnx"))
-    boxes, scores, labels = session.run(None, {"images": canvas, "mask": mask})
+    got = dict(
+        zip(("boxes", "scores", "labels"), session.run(None, {"images": canvas, "mask": mask}))
+    )
     expected = jax.device_get(model.predict_canvas(canvas, mask))
-    np.testing.assert_allclose(scores, expected["scores"], rtol=0, atol=1e-4)
-    # A label may differ only where two classes' scores tie within the tolerance.
-    np.testing.assert_allclose(boxes, expected["boxes"], rtol=0, atol=1e-4)
-    assert np.mean(labels == expected["labels"]) > 0.95
+    assert_same_detections(model.module, model.variables, canvas, mask, got, expected, tol=1e-4)
     with pytest.raises(FileExistsError, match="is no stablehlo export"):
         export_lib.export(run["workdir"], out, file_format="stablehlo")
 
