@@ -168,7 +168,8 @@ def torch_adamw(model, lr: float, backbone_lr: float, weight_decay: float):
 # figures are the SXM parts' datasheet numbers; the float32 entry is the TF32 tensor-core peak,
 # because XLA on GPU runs float32 matmuls and convolutions in TF32 by default
 # (jax_default_matmul_precision). TPUs run float32 matmuls as bfloat16 passes, so both
-# dtypes get the bfloat16 peak. `PEAK_TFLOPS` in the environment overrides the table.
+# dtypes get the bfloat16 peak. `PEAK_TFLOPS` in the environment overrides the table; a device
+# the table does not know (a CPU) gets `measured_matmul_tflops` instead.
 PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
     ("H100 PCIe", {"bfloat16": 756.0, "float32": 378.0}),
     ("H100 NVL", {"bfloat16": 835.0, "float32": 418.0}),
@@ -182,6 +183,12 @@ PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
     ("TPU v6 lite", {"bfloat16": 918.0, "float32": 918.0}),
     ("TPU v6e", {"bfloat16": 918.0, "float32": 918.0}),
 )
+
+# Side of the square matmul that stands for a device's peak where no datasheet figure is known:
+# at 4096 XLA:CPU's dot runs at its best rate (2 cores: ~0.4 s a call); --smoke's 256 only runs
+# the code, its "peak" means nothing.
+PEAK_MATMUL_SIZE, SMOKE_MATMUL_SIZE = 4096, 256
+PEAK_MATMUL_REPEATS = 5
 
 
 def peak_tflops(device_kind: str, dtype: str) -> tuple[float | None, str]:
@@ -200,6 +207,46 @@ def peak_tflops(device_kind: str, dtype: str) -> tuple[float | None, str]:
                 note = " (TF32 tensor cores)" if "NVIDIA" in device_kind else " (bf16 passes)"
             return peaks[dtype], f"{key} {dtype} dense peak{note}"
     return None, f"no peak known for {device_kind!r}; set PEAK_TFLOPS"
+
+
+def measured_matmul_tflops(dtype: str, size: int = PEAK_MATMUL_SIZE) -> tuple[float, str]:
+    """(TFLOP/s, how it was measured) of one jitted `size` x `size` by `size` x `size`
+    `jnp.dot` in `dtype` on the first device, in this process: 2 * size**3 FLOPs over the
+    median of `PEAK_MATMUL_REPEATS` calls after one untimed call (the compile). The best rate a
+    step on this device can hope for, taken in the bench's own run so that a shared machine's
+    load weighs on it much as on the steps (not exactly: the load moves between the two)."""
+    import jax
+    import jax.numpy as jnp
+
+    matrix = jax.random.normal(jax.random.key(0), (size, size), dtype)
+    dot = jax.jit(jnp.dot)
+    dot(matrix, matrix).block_until_ready()
+    times = []
+    for _ in range(PEAK_MATMUL_REPEATS):
+        start = time.perf_counter()
+        dot(matrix, matrix).block_until_ready()
+        times.append(time.perf_counter() - start)
+    how = f"measured: {size}^2 {dtype} jnp.dot, median of {PEAK_MATMUL_REPEATS}"
+    return 2 * size**3 / statistics.median(times) / 1e12, how
+
+
+def mfu_peak(dtype: str, smoke: bool = False) -> dict[str, Any]:
+    """The peak that MFU divides by, for `dtype` on the first device: {"tflops", "source",
+    "note"}, source "PEAK_TFLOPS" (the environment), "datasheet" (the `PEAK_TFLOPS` table) or
+    "measured" (`measured_matmul_tflops`, where the table knows no figure: a CPU; with `smoke`
+    the tiny matmul). Prints it as the line "  peak for MFU: P TFLOP/s (how)"."""
+    import jax
+
+    tflops, note = peak_tflops(jax.devices()[0].device_kind, dtype)
+    if tflops is None:
+        source = "measured"
+        tflops, note = measured_matmul_tflops(
+            dtype, SMOKE_MATMUL_SIZE if smoke else PEAK_MATMUL_SIZE
+        )
+    else:
+        source = "PEAK_TFLOPS" if note == "PEAK_TFLOPS" else "datasheet"
+    print(f"  peak for MFU: {tflops:.4g} TFLOP/s ({note})")
+    return {"tflops": tflops, "source": source, "note": note}
 
 
 def step_flops(compiled) -> float:
@@ -243,6 +290,52 @@ def device_peak_bytes() -> int | None:
     return int(stats["peak_bytes_in_use"])
 
 
+def step_figures(
+    kind: str,
+    compiled,
+    seconds: float | None,
+    batch: int,
+    peak: dict[str, Any] | None,
+    device_peak: int | None = None,
+    device_note: str = "",
+) -> dict[str, Any]:
+    """Prints and returns the figures of one compiled step (`jax.stages.Compiled`) whose median
+    is `seconds` for `batch` images: the line "device figures: <kind> step S s, I images/s,
+    G GFLOP, T TFLOP/s, MFU M%, compiled peak C GB, device peak D GB (<device_note>)", whose
+    fields launch/gpu_bench.sh reads by position. FLOPs from XLA's cost analysis, MFU against
+    `peak` (`mfu_peak`'s); "n/a" for what does not exist (no `seconds`: compiled, not run; no
+    `peak`; no `device_peak`, as on CPU). The returned "mfu" is a fraction of the peak, the
+    printed one a percentage."""
+    flops = step_flops(compiled)
+    memory = compiled_memory(compiled)
+    achieved = None if seconds is None else flops / seconds / 1e12
+    figure = {
+        "seconds": seconds,
+        "images_per_s": None if seconds is None else batch / seconds,
+        "gflop": flops / 1e9,
+        "tflops": achieved,
+        "mfu": None if peak is None or achieved is None else achieved / peak["tflops"],
+        "compiled_peak_gb": None if memory is None else memory["peak"] / 1e9,
+        "device_peak_gb": None if device_peak is None else device_peak / 1e9,
+    }
+
+    def show(value, spec: str, unit: str = "") -> str:
+        return "n/a" if value is None else f"{value:{spec}}{unit}"
+
+    device_gb = show(figure["device_peak_gb"], ".2f", " GB")
+    if device_peak is not None and device_note:
+        device_gb += f" ({device_note})"
+    mfu = None if figure["mfu"] is None else 100 * figure["mfu"]
+    print(
+        f"device figures: {kind} step {show(seconds, '.4f', ' s')}, "
+        f"{show(figure['images_per_s'], '.2f')} images/s, {figure['gflop']:.1f} GFLOP, "
+        f"{show(achieved, '.3f')} TFLOP/s, MFU {show(mfu, '.1f', '%')}, "
+        f"compiled peak {show(figure['compiled_peak_gb'], '.2f', ' GB')}, "
+        f"device peak {device_gb}"
+    )
+    return figure
+
+
 def device_figures(
     train,
     predict,
@@ -252,60 +345,38 @@ def device_figures(
     dtype: str,
     predict_device_peak: int | None = None,
     train_device_peak: int | None = None,
-) -> dict[str, dict[str, Any]]:
-    """Prints and returns the figures of the compiled train and predict steps
-    (`jax.stages.Compiled`) whose median seconds are `train_s` and `predict_s` at `batch`
-    images in `dtype`: FLOPs per step from XLA's cost analysis, achieved TFLOP/s, MFU against
-    `peak_tflops`, the compiled step's memory_analysis() peak and the device's measured peak.
+    smoke: bool = False,
+) -> dict[str, Any]:
+    """Prints the figures of the compiled train and predict steps (`jax.stages.Compiled`)
+    whose median seconds are `train_s` and `predict_s` at `batch` images in `dtype`, and returns
+    them as result-line keys: "{train,predict}_{gflop,tflops,mfu}" (mfu a fraction),
+    "peak_tflops" and "peak_source".
 
-    One line per step kind, "device figures: <kind> step S s, I images/s, G GFLOP, T TFLOP/s,
-    MFU M%, compiled peak C GB, device peak D GB (...)"; figures that do not exist on the
-    device are "n/a", as are the time-based ones when `train_s` / `predict_s` are None
-    (compiled, not run: `--compile-only`). "mfu" is in percent. The device peak is the
+    First the line "  peak for MFU: ..." (`mfu_peak`: the datasheet's, or on a CPU a matmul
+    measured now, right after the step timings; skipped when neither step was timed,
+    `--compile-only`), then one `step_figures` line per step kind. The device peak is the
     process's peak so far, setup included: for the train line `train_device_peak` (read by
     the caller right after the train timings, which follow the predict timings) or else read
-    now, so the max over both steps; the predict line shows `predict_device_peak` (read
-    after the predict timings, before any train step) if given, else the same as the train
-    line."""
-    import jax
-
-    device = jax.devices()[0]
-    peak, peak_note = peak_tflops(device.device_kind, dtype)
+    now (before the matmul), so the max over both steps; the predict line shows
+    `predict_device_peak` (read after the predict timings, before any train step) if given,
+    else the same as the train line."""
     final_peak = device_peak_bytes() if train_device_peak is None else train_device_peak
+    if train_s is None and predict_s is None:
+        peak = None
+        print("  peak for MFU: n/a (compiled only, nothing timed)")
+    else:
+        peak = mfu_peak(dtype, smoke)
     both = "max over predict and train steps"
     kinds = {"train": (train, train_s, final_peak, both)}
     if predict_device_peak is None:
         kinds["predict"] = (predict, predict_s, final_peak, both)
     else:
         kinds["predict"] = (predict, predict_s, predict_device_peak, "before any train step")
-    print(f"  peak for MFU: {'n/a' if peak is None else f'{peak:g} TFLOP/s'} ({peak_note})")
-
-    def show(value, spec: str, unit: str = "") -> str:
-        return "n/a" if value is None else f"{value:{spec}}{unit}"
-
-    figures = {}
+    record = {
+        "peak_tflops": None if peak is None else peak["tflops"],
+        "peak_source": None if peak is None else peak["source"],
+    }
     for kind, (compiled, seconds, device_peak, device_note) in kinds.items():
-        flops = step_flops(compiled)
-        memory = compiled_memory(compiled)
-        achieved = None if seconds is None else flops / seconds / 1e12
-        figure = {
-            "seconds": seconds,
-            "images_per_s": None if seconds is None else batch / seconds,
-            "gflop": flops / 1e9,
-            "tflops": achieved,
-            "mfu": None if peak is None or achieved is None else 100 * achieved / peak,
-            "compiled_peak_gb": None if memory is None else memory["peak"] / 1e9,
-            "device_peak_gb": None if device_peak is None else device_peak / 1e9,
-        }
-        figures[kind] = figure
-        device_gb = show(figure["device_peak_gb"], ".2f", " GB")
-        if device_peak is not None:
-            device_gb += f" ({device_note})"
-        print(
-            f"device figures: {kind} step {show(seconds, '.4f', ' s')}, "
-            f"{show(figure['images_per_s'], '.2f')} images/s, {figure['gflop']:.1f} GFLOP, "
-            f"{show(achieved, '.3f')} TFLOP/s, MFU {show(figure['mfu'], '.1f', '%')}, "
-            f"compiled peak {show(figure['compiled_peak_gb'], '.2f', ' GB')}, "
-            f"device peak {device_gb}"
-        )
-    return figures
+        figure = step_figures(kind, compiled, seconds, batch, peak, device_peak, device_note)
+        record.update({f"{kind}_{key}": figure[key] for key in ("gflop", "tflops", "mfu")})
+    return record

@@ -36,11 +36,14 @@ decoder layer, 5 queries) at 64x64, batch 1, one step after one warm-up, for the
 weights are then our own random init). The summary line of ratios is followed by two
 "device figures:" lines (`common.device_figures`), one per step kind: median step seconds,
 images/s, GFLOP per step from XLA's cost analysis, achieved TFLOP/s, MFU against the device's
-dense peak (`common.PEAK_TFLOPS`, or `PEAK_TFLOPS` in the environment; "n/a" on CPU), the
-compiled step's memory_analysis() peak and the device's measured peak (`memory_stats()`; "n/a"
-on CPU): for the train line the max over both steps, for the predict line before any train
-step. `--compile-only` compiles our two steps without running them and prints only those lines
-(their FLOPs and compiled memory; the time-based figures n/a).
+dense peak (`common.PEAK_TFLOPS`, or `PEAK_TFLOPS` in the environment; on CPU, which has no
+datasheet figure, a 4096^2 `jnp.dot` in the same dtype timed in the same run after the steps),
+the compiled step's memory_analysis() peak and the device's measured peak (`memory_stats()`;
+"n/a" on CPU): for the train line the max over both steps, for the predict line before any
+train step. The result line carries them too (`train_tflops`, `train_mfu`, `predict_tflops`,
+`predict_mfu` as a fraction, `peak_tflops`, `peak_source`, ...). `--compile-only` compiles our
+two steps without running them and prints only those lines (their FLOPs and compiled memory;
+the time-based figures n/a).
 """
 
 from __future__ import annotations
@@ -319,8 +322,9 @@ def _smoke_native_sizes() -> dict[str, Any]:
     )
 
 
-def _compile_only_report(args: argparse.Namespace, ours: dict[str, Any]) -> None:
-    """--compile-only: the compiled steps' FLOPs and memory, nothing run."""
+def _compile_only_report(args: argparse.Namespace, ours: dict[str, Any]) -> dict[str, Any]:
+    """--compile-only: prints the compiled steps' FLOPs and memory, nothing run, and returns
+    them as result-line keys."""
     import jax
 
     device = jax.devices()[0]
@@ -333,7 +337,7 @@ def _compile_only_report(args: argparse.Namespace, ours: dict[str, Any]) -> None
         f"  ours compile: train step {ours['compile_train']:.1f} s, "
         f"predict {ours['compile_predict']:.1f} s"
     )
-    common.device_figures(
+    return common.device_figures(
         ours["compiled_train"], ours["compiled_predict"], None, None, args.batch, args.dtype
     )
 
@@ -363,10 +367,10 @@ def main() -> None:
         module, variables = _native_model(args, dtype)
         runners["ours"] = _our_runner(module, variables, inputs, args)
         if args.compile_only:
-            _compile_only_report(args, runners["ours"])
+            figures = _compile_only_report(args, runners["ours"])
             common.result_line(
                 "detr_train_step", None, None, None, "compiled only, not run",
-                ours_dtype=args.dtype, batch=args.batch, size=args.size,
+                ours_dtype=args.dtype, batch=args.batch, size=args.size, **figures,
             )  # fmt: skip
             return
     else:
@@ -440,7 +444,7 @@ def main() -> None:
             part += f", torch {medians[key]['torch']:.3f} s, ratio torch/ours {ratio:.2f}"
         parts.append(part)
     print("; ".join(parts))
-    common.device_figures(
+    figures = common.device_figures(
         ours["compiled_train"],
         ours["compiled_predict"],
         medians["train"]["ours"],
@@ -448,6 +452,7 @@ def main() -> None:
         args.batch,
         args.dtype,
         predict_device_peak,
+        smoke=args.smoke,
     )
     peer = None if theirs is None else "transformers DetrForObjectDetection (PyTorch)"
     common.result_line(
@@ -465,6 +470,7 @@ def main() -> None:
             "ours_s": medians["predict"]["ours"],
             "peer_s": medians["predict"].get("torch"),
         },
+        **figures,
     )
 
 

@@ -42,9 +42,12 @@ forward + backward of the sum of all outputs (and say so).
 The summary line gives the ratios (torch time / our time; above 1 means ours is faster); two
 "device figures:" lines follow (`common.device_figures`), one per step kind: median step
 seconds, images/s, GFLOP per step from XLA's cost analysis, achieved TFLOP/s, MFU against the
-device's dense peak (`common.PEAK_TFLOPS` or `PEAK_TFLOPS`; "n/a" on CPU), the compiled step's
-memory_analysis() peak and the device's measured peak (`memory_stats()`; "n/a" on CPU): after
-the train steps the max over both steps, for the predict line before any train step.
+device's dense peak (`common.PEAK_TFLOPS` or `PEAK_TFLOPS`; on CPU, which has no datasheet
+figure, a 4096^2 `jnp.dot` in the same dtype timed in the same run after the steps), the
+compiled step's memory_analysis() peak and the device's measured peak (`memory_stats()`; "n/a"
+on CPU): after the train steps the max over both steps, for the predict line before any train
+step. The result line carries them too (`train_tflops`, `train_mfu`, `predict_tflops`,
+`predict_mfu` as a fraction, `peak_tflops`, `peak_source`, ...).
 `--no-op` skips the deformable-attention op (its inputs, compiles and timings);
 `--compile-only` compiles our two steps without running anything and prints only those lines
 (their FLOPs and compiled memory; the time-based figures n/a).
@@ -649,12 +652,12 @@ def main() -> None:
             f"  ours compile: train step {ours['compile_train']:.1f} s, predict "
             f"{ours['compile_predict']:.1f} s"
         )
-        common.device_figures(
+        figures = common.device_figures(
             ours["compiled_train"], ours["compiled_predict"], None, None, args.batch, args.dtype
         )
         common.result_line(
             "dino_step", None, None, None, "compiled only, not run", ours_dtype=args.dtype,
-            batch=args.batch, size=f"{args.hw[0]}x{args.hw[1]}",
+            batch=args.batch, size=f"{args.hw[0]}x{args.hw[1]}", **figures,
         )  # fmt: skip
         return
     op_runners = {} if args.no_op else {"ours": _our_op_runner(*op_inputs, remat=args.remat)}
@@ -721,7 +724,7 @@ def main() -> None:
         print(row)
         parts.append(part)
     print("; ".join(parts))
-    common.device_figures(
+    figures = common.device_figures(
         ours["compiled_train"],
         ours["compiled_predict"],
         medians["train"]["ours"],
@@ -730,6 +733,7 @@ def main() -> None:
         args.dtype,
         predict_device_peak,
         train_device_peak,
+        smoke=args.smoke,
     )
     peer = None if theirs is None else "transformers Deformable DETR two-stage (PyTorch)"
     common.result_line(
@@ -748,6 +752,7 @@ def main() -> None:
             for key, _ in rows
             if key != "train"
         },
+        **figures,
     )
 
 

@@ -25,9 +25,15 @@ Their image features are compared once.
         [--mining-images 64] [--mining-steps 2] [--classes 1000] [--torch-threads T]
         [--dtype float32|bfloat16] [--no-torch] [--smoke]
 
+Distance from the limit: a "device figures: image_features step" line (`common.step_figures`)
+gives the GFLOP of our jitted step from XLA's cost analysis, its achieved TFLOP/s and MFU against
+`common.mfu_peak` (the datasheet's peak on an accelerator; on CPU a 4096^2 `jnp.dot` in the same
+dtype timed in the same run), and torch's TFLOP/s is that same FLOP count over its time.
+
 `--dtype bfloat16` runs ours in bfloat16 and torch in float32 (the header and the result line
 say so per side). The summary line gives both throughputs, their ratio, and the mining overhead;
-the last line is `common.result_line`'s (seconds per batch, ratio torch / ours). `--smoke`: a
+the last line is `common.result_line`'s (seconds per batch, ratio torch / ours; `ours_tflops`,
+`ours_mfu` as a fraction, `peer_tflops`, `peak_tflops`, `peak_source`). `--smoke`: a
 one-layer 32-wide tower at 32 px and a couple of images, for the tests.
 """
 
@@ -157,6 +163,7 @@ def main() -> None:
     start = time.perf_counter()
     ours_features = scorer.image_features(pixels)
     compile_s = time.perf_counter() - start
+    compiled = scorer.compiled_image_features(args.batch)  # for XLA's FLOP count
     fns = {"ours": lambda: scorer.image_features(pixels)}
     if not args.no_torch:
         nchw = torch.from_numpy(pixels.transpose(0, 3, 1, 2).copy())
@@ -168,7 +175,9 @@ def main() -> None:
         diff = float(np.abs(ours_features - torch_features().numpy()).max())
         fns["torch"] = torch_features
     times = common.time_alternating(fns, args.steps, args.warmup)
-    rate = {name: args.batch / statistics.median(t) for name, t in times.items()}
+    median = {name: statistics.median(t) for name, t in times.items()}
+    rate = {name: args.batch / seconds for name, seconds in median.items()}
+    device_peak = common.device_peak_bytes()
 
     # ---------------------------------------------------------------- mining pass
     sizes = [PHOTO_SIZES[i % len(PHOTO_SIZES)] for i in range(args.mining_images)]
@@ -226,6 +235,24 @@ def main() -> None:
             f"  {name:6s} {statistics.median(t):7.3f} s [{min(t):.3f}-{max(t):.3f}] per batch: "
             f"{rate[name]:6.2f} images/s"
         )
+    # The peak is taken here, after the mining pass: on a CPU a matmul timed in this run.
+    peak = common.mfu_peak(args.dtype, args.smoke)
+    ours = common.step_figures(
+        "image_features",
+        compiled,
+        median["ours"],
+        args.batch,
+        peak,
+        device_peak,
+        "after throughput",
+    )
+    peer_tflops = None
+    if not args.no_torch:
+        peer_tflops = ours["gflop"] / 1e3 / median["torch"]
+        print(
+            f"  torch: {peer_tflops:.3f} TFLOP/s (our step's XLA FLOP count over torch's median "
+            "time: the same model and batch, not torch's own count)"
+        )
     print(
         f"  mining pass over {args.mining_images} decoded photos ({sizes[0][0]}x{sizes[0][1]} to "
         f"480x640) and {args.classes} classes, {topk_name}: median of {args.mining_steps}"
@@ -244,7 +271,6 @@ def main() -> None:
         f"{summary}; mining time outside the encoder: measured {100 * overhead:.1f}% "
         f"(pass - encoder alone), at most {100 * serial_share:.1f}% (preprocessing + top-k, serial)"
     )
-    median = {name: statistics.median(t) for name, t in times.items()}
     common.result_line(
         "scorer_throughput",
         median["ours"],
@@ -259,6 +285,12 @@ def main() -> None:
         peer_images_per_s=rate.get("torch"),
         mining_overhead=overhead,
         mining_overhead_bound=serial_share,
+        ours_gflop=ours["gflop"],
+        ours_tflops=ours["tflops"],
+        ours_mfu=ours["mfu"],
+        peer_tflops=peer_tflops,
+        peak_tflops=peak["tflops"],
+        peak_source=peak["source"],
     )
 
 

@@ -132,6 +132,12 @@ class Scorer:
         """Embedding width (shared by images and texts)."""
         return self.image_embedding_shape[-1]
 
+    def compiled_image_features(self, batch: int) -> jax.stages.Compiled:
+        """The compiled image tower for `batch` images, as `image_features` runs it: for what
+        XLA says of it (cost and memory analysis)."""
+        pixels = jax.ShapeDtypeStruct((batch, *self.image_size, 3), jnp.float32)
+        return self._image_fn.lower(self.variables, pixels).compile()
+
     # ------------------------------------------------------------------ features
 
     def _rows(self, batch_size: int | None) -> int:

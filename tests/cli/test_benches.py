@@ -7,6 +7,7 @@ than by the next person who runs the bench; no timing is asserted (the toy sizes
 from __future__ import annotations
 
 import importlib.util
+import math
 import pathlib
 import subprocess
 import sys
@@ -45,6 +46,15 @@ BENCHES = [
     "onnx_inference",
 ]
 
+# The "distance from the limit" each bench adds to its result line (bench/common.py's
+# device_figures and step_figures): achieved TFLOP/s, MFU as a fraction, and the peak it divides
+# by (on CPU a matmul measured in the run).
+FIGURES = {
+    "detr_train_step": ("train_tflops", "train_mfu", "predict_tflops", "predict_mfu"),
+    "dino_step": ("train_tflops", "train_mfu", "predict_tflops", "predict_mfu"),
+    "scorer_throughput": ("ours_tflops", "ours_mfu", "peer_tflops"),
+}
+
 
 @pytest.mark.parametrize("bench", BENCHES)
 def test_smoke_ends_with_result_line(bench):
@@ -65,3 +75,9 @@ def test_smoke_ends_with_result_line(bench):
         assert isinstance(record["peer"], str)
         assert record["ratio"] == pytest.approx(record["peer_s"] / record["ours_s"], rel=1e-3)
     assert "warm-up" in record["stat"]
+    if bench in FIGURES:
+        for key in (*FIGURES[bench], "peak_tflops"):
+            value = record[key]
+            assert isinstance(value, float) and math.isfinite(value) and value > 0, (key, value)
+        assert record["peak_source"] in ("measured", "datasheet", "PEAK_TFLOPS")
+        assert any(line.startswith("  peak for MFU: ") for line in lines)
