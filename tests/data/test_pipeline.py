@@ -349,7 +349,7 @@ _GLOBAL_SCRIPT = textwrap.dedent(
 def test_global_array_on_a_four_device_mesh(builder):
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4",
         "JAX_PLATFORMS": "cpu",
     }
     result = subprocess.run(

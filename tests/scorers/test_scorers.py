@@ -383,7 +383,10 @@ _MESH_SCRIPT = textwrap.dedent(
 def check_sharded_over_a_mesh(path, vocab_size: int) -> None:
     """A scorer from `path` on a 4-device data mesh embeds as the unsharded one does. In a child
     process, so that XLA_FLAGS gives it 4 CPU devices before jax starts."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4",
+    }
     result = subprocess.run(
         [sys.executable, "-c", _MESH_SCRIPT, str(path), str(vocab_size)],
         env=env,
