@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 import sentencepiece
 import tokenizers
-from flax.training import checkpoints
 
 from ood_jax.models import vit
 from ood_jax.scorers import bert, clip, convert, preprocess, towers
@@ -239,6 +238,10 @@ def _param_key(key: str) -> str:
 
 def linen_names(keys: Sequence[str]) -> dict[str, str]:
     """Linen-named parameter path -> the npz key it is stored under."""
+    # Here, not at the top: flax.training imports TensorFlow (through flax.io), which every
+    # command that imports the scorers (all of `ood-jax`'s parser) would otherwise load.
+    from flax.training import checkpoints
+
     tree = flax.traverse_util.unflatten_dict({tuple(_param_key(k).split("/")): k for k in keys})
     renamed = checkpoints.convert_pre_linen(tree)
     return {"/".join(p): k for p, k in flax.traverse_util.flatten_dict(renamed).items()}
