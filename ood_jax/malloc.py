@@ -33,15 +33,15 @@ THP_MODE_FILE = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
 # step at 320x320, batch 2) and frees it at the end. glibc serves anything above its mmap
 # threshold (at most 32 MiB) with its own mmap and unmaps it on free, so each step faults its
 # buffer in again, 4 KiB at a time: 1.3M page faults and seconds of kernel time per DINO step,
-# more than the step's own arithmetic on two cores. Told never to mmap, never to trim and to keep
-# one arena, glibc hands the same pages back on the next step instead.
+# more than the step's own arithmetic on two cores. Told never to mmap and never to trim, glibc
+# hands the same pages back on the next step instead. The arenas stay as glibc makes them: one
+# arena for every thread (arena_max=1) made XLA's compiles 1.4-1.6x slower and a DINO step
+# slower too (bench/dino_step.py, 320x320: 4.58 s against 4.31 s; 6.05 s with glibc's default),
+# and stalled the teardown of a small run's input pipeline for 15 s.
 KEEP_FREED = {
     "glibc.malloc.mmap_max": "0",
     # A size_t tunable: mallopt's int could not say more than 2 GiB, less than one DINO step.
     "glibc.malloc.trim_threshold": str(1 << 40),
-    # Other threads' arenas grow in mmap'd heaps that glibc unmaps when empty: without this
-    # a DINO step still faulted 1.25M pages.
-    "glibc.malloc.arena_max": "1",
 }
 # With transparent huge pages on request (`madvise` mode): 2 MiB pages, so the first step
 # faults 300x less.
@@ -74,8 +74,8 @@ def thp_mode() -> str | None:
 
 def computes_on_cpu(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether JAX will run on the CPU: JAX_PLATFORMS says so, or no GPU/TPU plugin is installed.
-    On an accelerator the steps' buffers live in device memory, and one malloc arena would only
-    slow the input pipeline's threads."""
+    On an accelerator the steps' buffers live in device memory: host memory kept would only be
+    held."""
     platforms = environ.get("JAX_PLATFORMS", "")
     if platforms:
         return platforms.split(",")[0].strip() == "cpu"

@@ -95,7 +95,11 @@ def test_start_environ_reads_tunables_split_by_glibc(tmp_path, monkeypatch):
 
 
 def _child(env_update):
-    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("GLIBC_TUNABLES", "LD_PRELOAD", malloc.OPT_OUT_ENV)
+    }
     env.update(env_update)
     out = subprocess.run(
         [sys.executable, "-c", CHILD, "--flag", "x y"],
