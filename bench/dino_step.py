@@ -58,7 +58,8 @@ it in again, worse while torch's steps alternate with ours. Like `ood-jax`, the 
 itself under glibc settings that keep freed memory (`ood_jax/malloc.py`). Measured at the
 defaults (320x320, batch 2, float32, 2 cores, `--steps 3`): train step 3.24 s against 4.00 s
 (1.23x), inference 1.10 s against 1.40 s (1.28x); with `OOD_JAX_MALLOC=system` (glibc's
-default) 8.58 s against 5.11 s (0.60x).
+default) 8.58 s against 5.11 s (0.60x). Those were an earlier day's, under the one-arena malloc;
+docs/guide/detectors.md ("Distance from the machine's peak") has the latest.
 
 `--memory [--size 800x1333] [--dtype D]` measures instead the memory one train step
 needs at batch `--batch`: ours is `ood-jax train`'s own step (`train.jit_train_step` on

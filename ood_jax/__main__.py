@@ -11,8 +11,9 @@ from ood_jax import malloc
 
 # The commands whose time goes into large compiled steps, whose per-step XLA:CPU buffers glibc's
 # default malloc would fault in again on every call (`ood_jax.malloc`). The others (build, mine,
-# eval-mllm, ...) run no such steps (build and mine measured no faster with it). `launch` starts
-# its processes as `python -m ood_jax COMMAND`, each deciding for itself.
+# eval-mllm, ...) run no such steps (build and mine measured no faster with it, under the
+# earlier one-arena setting). `launch` starts its processes as `python -m ood_jax COMMAND`, each
+# deciding for itself.
 RESTARTS = frozenset({"pretrain", "train", "evaluate", "sweep", "demo"})
 
 
