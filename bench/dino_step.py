@@ -128,7 +128,7 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs after compiling")
     parser.add_argument("--size", help="image size, S or HxW (default 320, with --memory 800x1333)")
     parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--dn", type=int, default=100, help="denoising query budget")
+    parser.add_argument("--dn", type=int, help="denoising query budget (default 100)")
     parser.add_argument("--op-size", default="800x1333", help="HxW image the op's levels tile")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument(
@@ -146,7 +146,10 @@ def _parse_args() -> argparse.Namespace:
         "implies --no-torch --no-op)",
     )
     parser.add_argument(
-        "--memory", action="store_true", help="the train step's memory instead of times"
+        "--memory",
+        action="store_true",
+        help="the train step's memory instead of times: the trainer's step on "
+        "configs/counts_dino_r50.py, with that config's remat and denoising queries",
     )
     parser.add_argument("--torch-memory-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--smoke", action="store_true", help="toy models, 1 step: for tests")
@@ -154,6 +157,12 @@ def _parse_args() -> argparse.Namespace:
         "--torch-threads", type=int, default=0, help="torch intra-op threads (0: all cores)"
     )
     args = parser.parse_args()
+    if args.memory and (args.remat or args.dn is not None):
+        parser.error(
+            "--memory measures the trainer's step with configs/counts_dino_r50.py's remat and "
+            "denoising queries; --remat and --dn apply to the timed steps"
+        )
+    args.dn = 100 if args.dn is None else args.dn
     if args.smoke:
         _shrink()
         # Batch 2: torch's BatchNorm in training refuses one value per channel (a 1x1 level).

@@ -81,3 +81,18 @@ def test_smoke_ends_with_result_line(bench):
             assert isinstance(value, float) and math.isfinite(value) and value > 0, (key, value)
         assert record["peak_source"] in ("measured", "datasheet", "PEAK_TFLOPS")
         assert any(line.startswith("  peak for MFU: ") for line in lines)
+
+
+@pytest.mark.parametrize("flag", [["--remat"], ["--dn", "20"]])
+def test_dino_memory_refuses_the_timed_steps_flags(flag):
+    """`--memory` measures the trainer's step with its config's remat and denoising queries: a
+    flag it would not apply is one error line, not a silently different measurement."""
+    done = subprocess.run(
+        [sys.executable, "bench/dino_step.py", "--memory", *flag],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "error: --memory measures the trainer's step" in done.stderr.splitlines()[-1]

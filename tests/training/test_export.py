@@ -315,11 +315,12 @@ def test_stablehlo_export_runs_with_jax_alone(run, tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == []
-    found = np.load(tmp_path / "found.npz")
+    found = dict(np.load(tmp_path / "found.npz"))
     expected = jax.device_get(model.predict_canvas(canvas, mask))
-    assert set(found.files) == set(expected) == {"boxes", "scores", "labels"}
-    for name in expected:
-        np.testing.assert_allclose(found[name], expected[name], rtol=0, atol=1e-6, err_msg=name)
+    assert set(found) == set(expected) == {"boxes", "scores", "labels"}
+    # The child compiles the artifact's StableHLO itself: another executable than this
+    # process's, whose scores round apart in the last bits (1.1e-6 seen on 0.33).
+    assert_same_detections(model.module, model.variables, canvas, mask, found, expected, tol=1e-5)
 
 
 def test_stablehlo_export_fixed_batch_replaces_refuses(run, tmp_path):
