@@ -240,6 +240,7 @@ def test_oodbench_records_and_skips_match(oodbench_source, tmp_path):
     assert beamed.provenance.examples_per_split == {"id": 4, "ood_s": 2, "ood_h": 4}
 
 
+@pytest.mark.slow
 def test_split_whose_every_image_is_skipped_fails_naming_it(tmp_path):
     src = tmp_path / "src"
     make_oodbench(src)

@@ -147,6 +147,7 @@ def _stored(builder) -> dict[str, list[tf.train.Example]]:
     }
 
 
+@pytest.mark.slow
 def test_a_beam_build_writes_the_same_records(data_dir):
     request = {"dataset": SOURCE, "corruptions": "snow", "severities": "2", "splits": "test_sky"}
     single = datasets.build("corrupted", str(data_dir), corruption=request)

@@ -270,6 +270,7 @@ def test_the_default_retry_budget_grows_with_the_items_asked():
 # --- a server that computes one request at a time ------------------------------------------------
 
 
+@pytest.mark.slow
 def test_timeouts_on_a_one_at_a_time_server_do_not_pile_up_work(tmp_path):
     """Finding 2: `transformers serve` computes requests one at a time, and keeps computing
     those the client gave up on. Six items sent at once, a deadline that four of them miss

@@ -274,6 +274,7 @@ def test_recomputed_backward_matches_torch_on_padded_inputs() -> None:
         np.testing.assert_allclose(ours, theirs.grad.numpy(), atol=1e-5 * scale, err_msg=name)
 
 
+@pytest.mark.slow
 def test_recomputed_backward_in_bfloat16_follows_autodiff() -> None:
     value, locations, weights = _padded_op_inputs(seed=11)
     cotangent = _loss_weights(seed=12)
@@ -289,6 +290,7 @@ def test_recomputed_backward_in_bfloat16_follows_autodiff() -> None:
         assert np.abs(ours - ref).max() <= 0.02 * np.abs(ref).max(), name
 
 
+@pytest.mark.slow
 def test_recomputed_backward_keeps_no_gathered_rows() -> None:
     """What the custom VJP is for: the compiled backward's temporaries stay far below one
     [B, Q, heads, taps, head_dim] buffer of gathered rows, which autodiff keeps."""

@@ -151,6 +151,7 @@ def test_deformable_detr_matches_transformers(case: str, tmp_path) -> None:
     assert max(diffs.values()) < ATOL, diffs
 
 
+@pytest.mark.slow
 def test_heads_follow_the_checkpoint_and_conversion_is_strict(tmp_path) -> None:
     """Head sharing is read from the tensors; unused, missing and disagreeing tied tensors are
     errors naming the keys."""

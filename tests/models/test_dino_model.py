@@ -118,6 +118,7 @@ def test_denoising_queries_are_invisible_to_matching_queries(tiny) -> None:
     assert _max_diff(plain["logits"], leaked["logits"]) > 1e-3
 
 
+@pytest.mark.slow
 def test_denoising_groups_are_isolated(tiny) -> None:
     _, variables, images, mask, denoise, apply, _ = tiny
     group = 2 * MAX_TARGETS
@@ -131,6 +132,7 @@ def test_denoising_groups_are_isolated(tiny) -> None:
     assert _max_diff(a["logits"][:, :, group:], b["logits"][:, :, group:]) > 1e-3
 
 
+@pytest.mark.slow
 def test_padding_changes_only_the_padded_image(tiny) -> None:
     _, variables, images, mask, _, _, capture = tiny
     padded, _ = capture(variables, images, mask)

@@ -178,6 +178,7 @@ def test_class_agnostic_encoder_terms_equal_transformers() -> None:
     np.testing.assert_allclose(float(total), dec_total + 0.5 * enc_total, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_equals_transformers_deformable_detr_model() -> None:
     """End to end: the loss DeformableDetrForObjectDetection computes from its own outputs."""
     config = transformers.DeformableDetrConfig(
@@ -304,6 +305,7 @@ def weighted_total(metrics: dict) -> float:
     )
 
 
+@pytest.mark.slow
 def test_denoising_loss_equals_numpy_reference() -> None:
     outputs, targets, dn = denoising_batch(8, [2, 0, 5, 1])
     total, metrics = dino_loss(outputs, targets, denoise=dn)
@@ -318,6 +320,7 @@ def test_denoising_loss_equals_numpy_reference() -> None:
     np.testing.assert_allclose(float(total), weighted_total(metrics), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_num_boxes_override_scales_every_term() -> None:
     outputs, targets, dn = denoising_batch(9, [2, 4, 0, 1])
     _, own = dino_loss(outputs, targets, denoise=dn)

@@ -156,6 +156,7 @@ def test_gradient_finite_without_targets(num_real: list[int]) -> None:
         assert not np.asarray(grads[1]).any()
 
 
+@pytest.mark.slow
 def test_query_groups_loss_is_mean_of_groups_matched_alone() -> None:
     num_groups, num_queries = 3, 5
     outputs, targets = make_batch(11, [3, 0, 5], num_groups * num_queries, 6, num_aux=1)

@@ -608,6 +608,7 @@ def chromium(profile: pathlib.Path, *args: str) -> tuple[str, str]:
     return stdout, stderr
 
 
+@pytest.mark.slow
 def test_the_page_loads_in_chromium_and_shows_every_run(run_dirs, tmp_path, capsys):
     out = tmp_path / "report.html"
     args = _parser().parse_args(["report", *map(str, run_dirs.values()), "--out", str(out)])

@@ -221,6 +221,7 @@ def state_dict(model) -> dict[str, np.ndarray]:
     return {k: v.numpy() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.slow
 def test_bad_checkpoints_raise_naming_the_field_or_tensor(checkpoints, converted) -> None:
     _, model = checkpoints["every_layer"]
     _, module, _, _ = converted["every_layer"]
@@ -315,6 +316,7 @@ def lavis_state_dict(model) -> dict[str, np.ndarray]:
     return out
 
 
+@pytest.mark.slow
 def test_lavis_checkpoints_load_as_transformers_does(checkpoints, converted) -> None:
     _, model = checkpoints["every_other_layer"]
     _, module, _, _ = converted["every_other_layer"]
@@ -408,6 +410,7 @@ def test_scorer_embeds_and_matches_as_transformers(blip2_scorer) -> None:
         scorer.match_probabilities(images, texts, [0, 1], [0, 4])
 
 
+@pytest.mark.slow
 def test_scorer_from_lavis_keeps_the_temperature(tmp_path, blip2_scorer) -> None:
     from ood_jax import scorers
 

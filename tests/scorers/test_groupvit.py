@@ -238,6 +238,7 @@ def test_bfloat16_compute(checkpoints) -> None:
         assert cosine.min() > 0.999, key
 
 
+@pytest.mark.slow
 def test_bad_checkpoints_raise_naming_the_field_or_tensor(tmp_path, checkpoints) -> None:
     config = three_stages().to_dict()
     config["vision_config"]["num_output_groups"] = [6, 4, 4]

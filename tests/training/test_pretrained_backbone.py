@@ -91,6 +91,7 @@ def test_torchvision_weights_replace_the_backbone(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_wrong_architecture_fails_naming_the_file(tmp_path):
     path = tmp_path / "resnet34.pth"
     torch.save(torchvision.models.resnet34().state_dict(), path)
