@@ -140,9 +140,11 @@ def pretrain_backbone(
         batch, _ = next(batches)
         params, model_state, opt_state, loss = step(params, model_state, opt_state, batch)
         if multihost.is_primary() and (i % config.log_every == 0 or i == config.pretrain.steps):
+            # The loss first: it waits for the step, which dispatch lets run behind the loop.
+            loss = float(loss)
             rate = i / (time.perf_counter() - started)
             print(
-                f"backbone pretraining {i}/{config.pretrain.steps}  loss {float(loss):.4f}  "
+                f"backbone pretraining {i}/{config.pretrain.steps}  loss {loss:.4f}  "
                 f"{rate:.2f} steps/s",
                 flush=True,
             )
