@@ -32,6 +32,10 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 _FILE_CYCLE = 16
 _READ_BUFFER = 1 << 20  # Bytes per file read; records are whole JPEGs, so read in large chunks.
 
+# The functions given to tf.data are straight-line TensorFlow, which AutoGraph's conversion
+# leaves as it is, at a cost in every pipeline's tracing (and a generated file in the temp dir).
+_unconverted = tf.autograph.experimental.do_not_convert
+
 
 def default_config() -> ml_collections.ConfigDict:
     """The pipeline's options with their defaults: DETR's recipe at demo resolution."""
@@ -106,10 +110,12 @@ def _keep_rows(stream: tf.data.Dataset, rows: tuple[int, int], batch_size: int) 
     if (first, stop) == (0, batch_size):
         return stream
 
+    @_unconverted
     def mine(index: tf.Tensor, element: Any) -> tf.Tensor:
         row = index % batch_size
         return (row >= first) & (row < stop)
 
+    @_unconverted
     def element(index: tf.Tensor, element: Any) -> Any:
         return element
 
@@ -138,7 +144,7 @@ def _read(instructions: list[Any], order: tf.Tensor, cycle: int) -> tf.data.Data
         (tf.gather(names, order), tf.gather(skips, order), tf.gather(takes, order))
     )
 
-    # Named functions rather than lambdas: AutoGraph cannot find a multi-line lambda's source.
+    @_unconverted
     def records(name: tf.Tensor, skip: tf.Tensor, take: tf.Tensor) -> tf.data.Dataset:
         return tf.data.TFRecordDataset(name, buffer_size=_READ_BUFFER).skip(skip).take(take)
 
@@ -308,6 +314,7 @@ def train_dataset(
     first_epoch, offset = divmod(start_step * c.batch_size, num_examples)
     num_files = len(instructions)
 
+    @_unconverted
     def epoch(e: tf.Tensor) -> tf.data.Dataset:
         key = tf.random.experimental.stateless_fold_in(tf.constant([c.seed, 0], tf.int64), e)
         files_key, buffer_key, augment_key = tf.unstack(
@@ -321,11 +328,13 @@ def train_dataset(
             c.shuffle_buffer, seed=buffer_seed, reshuffle_each_iteration=False
         )
 
+        @_unconverted
         def keyed(position: tf.Tensor, record: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
             return tf.random.experimental.stateless_fold_in(augment_key, position), record
 
         return records.enumerate().map(keyed)
 
+    @_unconverted
     def example(key: tf.Tensor, record: tf.Tensor) -> dict[str, tf.Tensor]:
         return _train_example(_decoded(builder, record), key, c)
 
@@ -377,6 +386,7 @@ def eval_dataset(
     first, stop = rows = _checked_rows(rows, c.batch_size)
     instructions, num_examples = _file_instructions(builder, split)
 
+    @_unconverted
     def example(record: tf.Tensor) -> dict[str, tf.Tensor]:
         return _eval_example(_decoded(builder, record), c)
 

@@ -95,14 +95,9 @@ def evaluate(
         ground_truth = evaluation.coco_ground_truth(builder, clean_split)
 
         def ap(split: str, what: str, ground_truth=ground_truth) -> float:
+            batches = evaluation.split_batches(builder, split, input_config, data_sharding)
             result = evaluation.evaluate_split(
-                predict,
-                builder,
-                split,
-                input_config=input_config,
-                data_sharding=data_sharding,
-                ground_truth=ground_truth,
-                name=what,
+                predict, evaluation.EvalSplit(ground_truth, batches), data_sharding, name=what
             )
             return result.stats[robustness.METRIC]
 

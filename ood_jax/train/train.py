@@ -472,35 +472,33 @@ def pretrain_stage(config: ml_collections.ConfigDict, workdir: str | pathlib.Pat
     return pretrain.pretrain_backbone(config, builder, splits["train"], out)
 
 
-def ground_truths(experiment: Experiment) -> dict[str, coco.GroundTruth]:
-    """COCO ground truth of every evaluated split ("iid", each held-out domain and model
-    selection's), read once."""
+def eval_splits(
+    config: ml_collections.ConfigDict, experiment: Experiment
+) -> dict[str, evaluation.EvalSplit]:
+    """Every evaluated split ("iid", each held-out domain and model selection's): its ground
+    truth and batches, built once for all of a run's evaluations."""
+    eval_input = ml_collections.ConfigDict(config.input.to_dict())
+    eval_input.batch_size = config.eval_batch_size
     return {
-        name: evaluation.coco_ground_truth(experiment.builder, split)
+        name: evaluation.load_split(experiment.builder, split, eval_input, experiment.data_sharding)
         for name, split in experiment.splits.items()
         if name != "train"
     }
 
 
 def evaluate_all(
-    config, experiment: Experiment, state, ground_truth: Mapping[str, coco.GroundTruth]
+    experiment: Experiment, state, splits: Mapping[str, evaluation.EvalSplit]
 ) -> dict[str, coco.CocoEvalResult]:
-    """COCO evaluation on each split of `ground_truth`."""
-    eval_input = ml_collections.ConfigDict(config.input.to_dict())
-    eval_input.batch_size = config.eval_batch_size
-
-    def run(name: str) -> coco.CocoEvalResult:
-        return evaluation.evaluate_split(
+    """COCO evaluation on each of `splits`."""
+    return {
+        name: evaluation.evaluate_split(
             lambda batch: experiment.predict(state, batch),
-            experiment.builder,
-            experiment.splits[name],
-            input_config=eval_input,
-            data_sharding=experiment.data_sharding,
-            ground_truth=ground_truth[name],
+            split,
+            experiment.data_sharding,
             name=name,
         )
-
-    return {name: run(name) for name in ground_truth}
+        for name, split in splits.items()
+    }
 
 
 def summarize(step: int, evaluated: Mapping[str, coco.CocoEvalResult]) -> dict[str, Any]:
@@ -627,7 +625,7 @@ def _train_and_evaluate(
         str(workdir / "tensorboard"), just_logging=not _is_primary()
     )
     batches = _train_batches(config, experiment, start_step)
-    ground_truth = ground_truths(experiment)
+    splits = eval_splits(config, experiment)
     validation_by_domain = (
         selection.validation_domains(experiment.builder, experiment.splits[selection.VALIDATION])
         if selection.VALIDATION in experiment.splits
@@ -686,7 +684,7 @@ def _train_and_evaluate(
                     and step % config.eval_every == 0
                     and step != config.total_steps
                 ):
-                    evaluated = evaluate_all(config, experiment, state, ground_truth)
+                    evaluated = evaluate_all(experiment, state, splits)
                     record_evaluation(step, evaluated)
                     writer.write_scalars(step, {"eval/iid_AP": evaluated["iid"].stats["AP"]})
 
@@ -709,7 +707,7 @@ def _train_and_evaluate(
     # Final evaluation.
     # ----------------------------------------------------------------------------------------
     try:
-        evaluated = evaluate_all(config, experiment, state, ground_truth)
+        evaluated = evaluate_all(experiment, state, splits)
     except KeyboardInterrupt:
         raise KeyboardInterrupt(
             f"checkpoint at step {int(state.step)} kept in {workdir}, not yet evaluated; rerun "
@@ -741,7 +739,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         )
     started = run_manifest.start("evaluate", config, experiment.builder, experiment.splits)
     with manifest.recording(workdir, started, enabled=_is_primary()) as record:
-        evaluated = evaluate_all(config, experiment, restored.state, ground_truths(experiment))
+        evaluated = evaluate_all(experiment, restored.state, eval_splits(config, experiment))
         results = summarize(restored.step, evaluated)
         if _is_primary():
             evaluation.write_results(workdir, results, config.model_name)

@@ -191,15 +191,10 @@ def test_scores_are_each_splits_own(run):
     eval_input = _eval_input(config)
     builder = datasets.load(run["dataset"], config.dataset.data_dir)
 
-    def ap(dataset, split, ground_truth=None):
-        return evaluation.evaluate_split(
-            lambda batch: experiment.predict(state, batch),
-            dataset,
-            split,
-            input_config=eval_input,
-            data_sharding=experiment.data_sharding,
-            ground_truth=ground_truth,
-        ).stats["AP"]
+    def ap(dataset, split):
+        loaded = evaluation.load_split(dataset, split, eval_input, experiment.data_sharding)
+        predict = lambda batch: experiment.predict(state, batch)  # noqa: E731
+        return evaluation.evaluate_split(predict, loaded, experiment.data_sharding).stats["AP"]
 
     assert summaries["sky"]["clean"] == ap(experiment.builder, "test_sky")
     noisy = ap(builder, "test_sky__gaussian_noise_5")
