@@ -45,7 +45,7 @@ import math
 import os
 import pathlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import flax
@@ -66,6 +66,7 @@ from ood_jax.detection import evaluation
 from ood_jax.metrics import coco
 from ood_jax.models import backbones, registry
 from ood_jax.train import checkpoint, config_checks, optim, pretrain, resume, run_manifest
+from ood_jax.train.compiled import CompiledOnFirstCall
 from ood_jax.train import selection
 
 
@@ -136,34 +137,6 @@ def experiment_splits(
 
 def _is_primary() -> bool:
     return jax.process_index() == 0
-
-
-class CompiledOnFirstCall:
-    """A jitted function compiled ahead of its first call, saying so on process 0.
-
-    The first call of a detector's train or predict step compiles for tens of seconds on CPU
-    (minutes for large models), which otherwise looks like a hang. Later calls run the
-    compiled program; arguments of other shapes or shardings than the first call's are an
-    error there rather than a silent recompilation.
-    """
-
-    def __init__(self, jitted: Callable, what: str):
-        self._jitted, self.what = jitted, what
-        self._compiled: Callable | None = None
-        self.compile_seconds = 0.0
-
-    def __call__(self, *args):
-        if self._compiled is None:
-            if _is_primary():
-                print(f"compiling the {self.what} ...", flush=True)
-            started = time.perf_counter()
-            self._compiled = self._jitted.lower(*args).compile()
-            # Every process starts running it together (see multihost.barrier).
-            multihost.barrier(f"compiled the {self.what}")
-            self.compile_seconds = time.perf_counter() - started
-            if _is_primary():
-                print(f"compiled the {self.what} in {self.compile_seconds:.1f} s", flush=True)
-        return self._compiled(*args)
 
 
 def create_train_state(model, optimizer, rng, image_shape, *, ema: bool = False):
