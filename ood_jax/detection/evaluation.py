@@ -167,7 +167,7 @@ def evaluate_split(
 class SplitProgress(progress.Progress):
     """`evaluating NAME: i/N images` on stdout, from process 0, while a split is evaluated, and
     one line when it is done (no rate: the first batch's compilation would skew it; it
-    announces itself, `train.CompiledOnFirstCall`)."""
+    announces itself, `train.compiled.CompiledOnFirstCall`)."""
 
     def __init__(self, name: str, total: int, **options: Any):
         super().__init__(
