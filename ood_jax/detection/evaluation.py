@@ -106,6 +106,7 @@ def load_split(
     input_config: ml_collections.ConfigDict,
     data_sharding: jax.sharding.NamedSharding,
 ) -> EvalSplit:
+    """`split`'s ground truth and this process's batches of it, for `evaluate_split`."""
     return EvalSplit(
         coco_ground_truth(builder, split),
         split_batches(builder, split, input_config, data_sharding),
