@@ -63,10 +63,11 @@ docs/guide/detectors.md ("Distance from the machine's peak") has the latest.
 
 `--memory [--size 800x1333] [--dtype D]` measures instead the memory one train step
 needs at batch `--batch`: ours is `ood-jax train`'s own step (`train.jit_train_step` on
-configs/counts_dino_r50.py), whose canvas is the square of the longer side (1333x1333 for
-800x1333), from the compiled step's `memory_analysis()` (lowered on abstract arguments: compiled,
-never run) at the size, 3/4 and 1/2 of it in `--dtype` and at the size in the other dtype, with
-a linear fit in image area to pick a batch for a GPU; torch's as the peak-RSS increase
+configs/counts_dino_r50.py, whose `input.orientation_window` puts a batch of 800x1333 images
+on the 800x1333 rectangle, not the 1333x1333 square), from the compiled step's
+`memory_analysis()` (lowered on abstract arguments: compiled, never run) at the size, 3/4 and
+1/2 of it in `--dtype` and at the size in the other dtype, with a linear fit in image area to
+pick a batch for a GPU; torch's as the peak-RSS increase
 (`resource.getrusage`) of one forward + backward + AdamW step at the rectangle itself in its own
 process. On CPU the trainer compiles the step without the pass that would undo remat
 (`train.step_compiler_options`).
@@ -465,7 +466,8 @@ def _op_inputs(args: argparse.Namespace):
 def our_step_memory(height: int, width: int, batch: int, dtype: str, smoke: bool) -> dict[str, Any]:
     """Bytes `ood-jax train`'s own step needs (`train.jit_train_step` on
     configs/counts_dino_r50.py, or synthetic_dino.py:smoke with `smoke`) at batch on the
-    trainer's square canvas of side max(height, width), from the compiled step's
+    trainer's landscape canvas for images of height x width (shorter side `height`, longer
+    `width`; `pipeline.train_canvases`), from the compiled step's
     `memory_analysis()`: everything is abstract, nothing runs. Remat is the config's (on at
     paper scale), and the trainer itself keeps it effective on CPU
     (`train.step_compiler_options`).
@@ -485,20 +487,22 @@ def our_step_memory(height: int, width: int, batch: int, dtype: str, smoke: bool
         config.model.args.num_queries = 10  # the smoke sizes' smallest image holds 22 positions
     else:
         config = config_files.load(configs / "counts_dino_r50.py")
-    config.input.image_size = max(height, width)
+    config.input.image_size = config.input.max_size = max(height, width)
+    config.input.scales = (min(height, width),)
     config.input.batch_size = batch
     config.model.dtype = dtype
     mesh = sharding.make_mesh([("data", 1)], jax.devices()[:1])
     layout = train.build_layout(config, mesh, steps_per_epoch=10.0)
     start = time.perf_counter()
+    canvas = pipeline.train_canvases(config.input)[0]
     lowered = train.jit_train_step(config, layout).lower(
-        layout.abstract_state, pipeline.batch_spec(config.input), jax.random.key(0)
+        layout.abstract_state, pipeline.batch_spec(config.input, canvas), jax.random.key(0)
     )
     sizes = common.compiled_memory(lowered.compile())
     if sizes is None:
         raise RuntimeError("this backend's compiled step has no memory_analysis()")
     remat = bool(config.model.args.get("remat", False))
-    return {**sizes, "compile_s": time.perf_counter() - start, "remat": remat}
+    return {**sizes, "compile_s": time.perf_counter() - start, "remat": remat, "canvas": canvas}
 
 
 def _torch_step_memory(args: argparse.Namespace) -> dict[str, float]:
@@ -547,9 +551,9 @@ def _memory_report(args: argparse.Namespace) -> None:
     gb = 1e9
     print(
         f"DINO-4scale R50 train step memory, batch {args.batch}, remat {full['remat']} (ours: "
-        "`ood-jax train`'s own step on configs/counts_dino_r50.py, its square canvas of the "
-        "longer side, compiled memory_analysis(), not run; peak = temp + arguments + outputs - "
-        "aliased donated state)"
+        "`ood-jax train`'s own step on configs/counts_dino_r50.py, on its training canvas, "
+        f"{'x'.join(map(str, full['canvas']))} at {height}x{width}; compiled memory_analysis(), "
+        "not run; peak = temp + arguments + outputs - aliased donated state)"
     )
     print(
         f"  {'size':>10s} {'dtype':>9s} {'temp GB':>8s} {'args GB':>8s} {'out GB':>7s} "

@@ -50,6 +50,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.input.max_boxes = 100
     config.input.batch_size = 2 if runlocal else 32
     config.input.shuffle_buffer = 64 if runlocal else 4096
+    # 0: every batch padded to the 1333x1333 square; k > 0: runs of k batches sorted by
+    # orientation, on 800x1333 or 1333x800 (data.pipeline.train_canvases; DINO's config).
+    config.input.orientation_window = 0
     config.eval_batch_size = 2 if runlocal else 32
 
     config.model = ml_collections.ConfigDict()

@@ -39,6 +39,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     args.backbone_frozen_stages = 1  # with counts_detr_r50.py's frozen_pattern
     # Deformable sampling dominates activation memory at 1333 px: recompute it in the backward.
     args.remat = not runlocal
+    # Batches of one orientation, on the 800x1333 rectangle rather than the 1333x1333 square
+    # (bench/dino_step.py --memory); a run of 16 batches has at most one of mixed orientation.
+    config.input.orientation_window = 0 if runlocal else 16
 
     config.denoising = ml_collections.ConfigDict()
     config.denoising.num_queries = 200

@@ -43,6 +43,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.input.max_boxes = 10
     config.input.batch_size = 4 if smoke else 8
     config.input.shuffle_buffer = 256 if smoke else 2048
+    config.input.orientation_window = 0  # every batch on the square canvas
     config.eval_batch_size = 8 if smoke else 32
 
     config.model = ml_collections.ConfigDict()

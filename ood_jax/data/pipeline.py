@@ -51,6 +51,9 @@ def default_config() -> ml_collections.ConfigDict:
     config.batch_size = 16  # Global; each process feeds its rows of it (`process_rows`).
     config.seed = 0
     config.shuffle_buffer = 1024  # Encoded examples held for shuffling.
+    # Training on rectangles instead of the S x S square: > 0 sorts each run of this many
+    # batches by orientation after cropping (`train_canvases`); 0 pads every image to S x S.
+    config.orientation_window = 0
     return config
 
 
@@ -78,7 +81,27 @@ def _checked(config: ml_collections.ConfigDict | None) -> ml_collections.ConfigD
     require(c.max_boxes > 0, "max_boxes", "a positive count")
     require(c.batch_size > 0, "batch_size", "a positive count")
     require(c.shuffle_buffer > 0, "shuffle_buffer", "a positive count")
+    require(c.orientation_window >= 0, "orientation_window", "a count of batches, 0 for none")
     return c
+
+
+def train_canvases(config: ml_collections.ConfigDict | None) -> tuple[tuple[int, int], ...]:
+    """The (height, width) canvases of training batches: the S x S square, or with
+    `orientation_window` the landscape rectangle (short x max_size, short = the largest
+    scale within max_size) and the portrait one (its transpose).
+
+    With orientation_window = k, each run of k global batches is sorted by the orientation
+    of its images after cropping, landscape first (a square counts as landscape): every batch
+    is of one orientation but the one where the sorted run turns, which takes its majority's
+    canvas, its other images resized to fit it. A batch at 800x1333 needs the memory of that
+    rectangle, not of the 1333x1333 square (a train step on each of the two canvases is
+    compiled on first use).
+    """
+    c = _checked(config)
+    if not c.orientation_window:
+        return ((c.image_size, c.image_size),)
+    short = min(max(c.scales), c.max_size)
+    return ((short, c.max_size), (c.max_size, short))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -170,20 +193,26 @@ def _decoded(builder: tfds.core.DatasetBuilder, record: tf.Tensor) -> dict[str, 
 # ------------------------------------------------------------------------------------------------
 
 
-def _random_crop(
-    image: tf.Tensor, boxes: tf.Tensor, key: tf.Tensor, c: ml_collections.ConfigDict
+def _crop_window(
+    hw: tf.Tensor, key: tf.Tensor, c: ml_collections.ConfigDict
 ) -> tuple[tf.Tensor, tf.Tensor]:
-    """Crop (with probability crop_prob) and boxes clipped to it, still normalized to the crop."""
+    """Top-left corner and (height, width) of the random crop of an image of size `hw`: the
+    whole image with probability 1 - crop_prob. Pixel-free, so the orientation grouping can
+    know a crop's shape without decoding the image."""
     size_key, place_key, apply_key = tf.unstack(tf.random.experimental.stateless_split(key, 3))
-    hw = tf.shape(image)[:2]
     fraction = tf.random.stateless_uniform([2], size_key, minval=c.crop_min_fraction, maxval=1.0)
     crop = tf.maximum(tf.cast(tf.round(fraction * tf.cast(hw, tf.float32)), tf.int32), 1)
     place = tf.random.stateless_uniform([2], place_key)
     corner = tf.minimum(tf.cast(place * tf.cast(hw - crop + 1, tf.float32), tf.int32), hw - crop)
     apply = tf.random.stateless_uniform([], apply_key) < c.crop_prob
-    corner = tf.where(apply, corner, 0)
-    crop = tf.where(apply, crop, hw)
+    return tf.where(apply, corner, 0), tf.where(apply, crop, hw)
 
+
+def _crop(
+    image: tf.Tensor, boxes: tf.Tensor, corner: tf.Tensor, crop: tf.Tensor
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """The crop's pixels and the boxes clipped to it, still normalized (to the crop)."""
+    hw = tf.shape(image)[:2]
     image = tf.slice(image, tf.concat([corner, [0]], 0), tf.concat([crop, [-1]], 0))
     height, width = tf.unstack(tf.cast(hw, tf.float32))
     crop_h, crop_w = tf.unstack(tf.cast(crop, tf.float32))
@@ -193,17 +222,23 @@ def _random_crop(
     return image, box_lib.unscale(clipped, crop_h, crop_w)
 
 
-def _resize(image: tf.Tensor, shorter: tf.Tensor, max_size: int) -> tuple[tf.Tensor, tf.Tensor]:
-    """Shorter side to `shorter`, longer side at most `max_size`; float32 [h, w, 3] and (h, w).
+def _resize(
+    image: tf.Tensor, shorter: tf.Tensor, max_size: int, canvas: tf.Tensor
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """Shorter side to `shorter`, longer side at most `max_size`, the whole within `canvas`
+    (height, width); float32 [h, w, 3] and (h, w).
 
     DETR's get_size rounds so the long side may pass max_size by a pixel; here it never does,
     as the image must fit the canvas.
     """
     hw = tf.cast(tf.shape(image)[:2], tf.float32)
+    canvas = tf.cast(canvas, tf.float32)
     ratio = tf.minimum(
         tf.cast(shorter, tf.float32) / tf.reduce_min(hw), max_size / tf.reduce_max(hw)
     )
+    ratio = tf.minimum(ratio, tf.reduce_min(canvas / hw))
     size = tf.clip_by_value(tf.cast(tf.round(hw * ratio), tf.int32), 1, max_size)
+    size = tf.minimum(size, tf.cast(canvas, tf.int32))
     # Antialiasing keeps downscaling close to the PIL resize DETR trains with; upscaling gives
     # the same pixels without it, at half the cost.
     resized = tf.cond(
@@ -214,12 +249,14 @@ def _resize(image: tf.Tensor, shorter: tf.Tensor, max_size: int) -> tuple[tf.Ten
     return resized, size
 
 
-def _canvas(image: tf.Tensor, size: tf.Tensor, canvas: int) -> tuple[tf.Tensor, tf.Tensor]:
-    """Normalized image padded with zeros to [canvas, canvas, 3], and its pixel mask."""
+def _canvas(
+    image: tf.Tensor, size: tf.Tensor, canvas: tuple[int, int] | tf.Tensor
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """Normalized image padded with zeros to [*canvas, 3], and its pixel mask."""
     image = (image / 255.0 - IMAGENET_MEAN) / IMAGENET_STD
-    image = tf.image.pad_to_bounding_box(image, 0, 0, canvas, canvas)
-    rows = tf.range(canvas) < size[0]
-    cols = tf.range(canvas) < size[1]
+    image = tf.image.pad_to_bounding_box(image, 0, 0, canvas[0], canvas[1])
+    rows = tf.range(canvas[0]) < size[0]
+    cols = tf.range(canvas[1]) < size[1]
     return image, rows[:, None] & cols[None, :]
 
 
@@ -248,11 +285,12 @@ def _features(
     image: tf.Tensor,
     size: tf.Tensor,
     boxes: tf.Tensor,
+    canvas: tuple[int, int] | tf.Tensor,
     c: ml_collections.ConfigDict,
 ) -> dict[str, tf.Tensor]:
-    canvas, mask = _canvas(image, size, c.image_size)
+    padded, mask = _canvas(image, size, canvas)
     return {
-        "image": canvas,
+        "image": padded,
         "image_mask": mask,
         "image_size": size,
         "orig_size": tf.shape(example["image"])[:2],
@@ -262,27 +300,105 @@ def _features(
     }
 
 
+def _augmentation_keys(key: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """An example's crop, scale and flip keys."""
+    return tuple(tf.unstack(tf.random.experimental.stateless_split(key, 3)))
+
+
 def _train_example(
-    example: Mapping[str, Any], key: tf.Tensor, c: ml_collections.ConfigDict
+    example: Mapping[str, Any],
+    key: tf.Tensor,
+    canvas: tuple[int, int] | tf.Tensor,
+    c: ml_collections.ConfigDict,
 ) -> dict[str, tf.Tensor]:
-    crop_key, scale_key, flip_key = tf.unstack(tf.random.experimental.stateless_split(key, 3))
+    crop_key, scale_key, flip_key = _augmentation_keys(key)
     boxes = box_lib.yxyx_to_xyxy(example["objects"]["bbox"])
-    image, boxes = _random_crop(example["image"], boxes, crop_key, c)
+    corner, crop = _crop_window(tf.shape(example["image"])[:2], crop_key, c)
+    image, boxes = _crop(example["image"], boxes, corner, crop)
     scales = tf.constant(c.scales, tf.int32)
     shorter = scales[tf.random.stateless_uniform([], scale_key, 0, len(c.scales), tf.int32)]
-    image, size = _resize(image, shorter, c.max_size)
+    image, size = _resize(image, shorter, c.max_size, canvas)
     flip = tf.random.stateless_uniform([], flip_key) < c.flip_prob
     image = tf.where(flip, tf.reverse(image, axis=[1]), image)
     mirrored = tf.stack([1.0 - boxes[:, 2], boxes[:, 1], 1.0 - boxes[:, 0], boxes[:, 3]], -1)
     boxes = tf.where(flip, mirrored, boxes)
-    return _features(example, image, size, boxes, c)
+    return _features(example, image, size, boxes, canvas, c)
 
 
 def _eval_example(example: Mapping[str, Any], c: ml_collections.ConfigDict) -> dict:
-    image, size = _resize(example["image"], c.eval_size, c.max_size)
-    features = _features(example, image, size, box_lib.yxyx_to_xyxy(example["objects"]["bbox"]), c)
+    canvas = (c.image_size, c.image_size)
+    image, size = _resize(example["image"], c.eval_size, c.max_size, canvas)
+    boxes = box_lib.yxyx_to_xyxy(example["objects"]["bbox"])
+    features = _features(example, image, size, boxes, canvas, c)
     features["image_id"] = example["image/id"]
     return features
+
+
+# ------------------------------------------------------------------------------------------------
+# Orientation groups (`train_canvases`).
+# ------------------------------------------------------------------------------------------------
+
+_JPEG_MAGIC = b"\xff\xd8"
+_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def encoded_image_size(encoded: tf.Tensor) -> tf.Tensor:
+    """(height, width) of an encoded image from its header where it is a JPEG or PNG (the
+    formats TFDS writes), by decoding it otherwise."""
+
+    def png() -> tf.Tensor:  # IHDR: big-endian width and height at bytes 16-23
+        digits = tf.cast(tf.io.decode_raw(tf.strings.substr(encoded, 16, 8), tf.uint8), tf.int32)
+        width, height = tf.unstack(
+            tf.reshape(digits, [2, 4]) @ tf.constant([[1 << 24], [1 << 16], [1 << 8], [1]])
+        )
+        return tf.concat([height, width], 0)
+
+    def decoded() -> tf.Tensor:
+        return tf.shape(tf.io.decode_image(encoded, channels=3, expand_animations=False))[:2]
+
+    return tf.case(
+        [
+            (
+                tf.strings.substr(encoded, 0, 2) == _JPEG_MAGIC,
+                lambda: tf.image.extract_jpeg_shape(encoded)[:2],
+            ),
+            (tf.strings.substr(encoded, 0, 8) == _PNG_MAGIC, png),
+        ],
+        default=decoded,
+        exclusive=False,
+    )
+
+
+def _grouped_by_orientation(
+    stream: tf.data.Dataset, builder: tfds.core.DatasetBuilder, c: ml_collections.ConfigDict
+) -> tf.data.Dataset:
+    """(key, record) -> (key, record, landscape canvas): each run of `orientation_window`
+    batches sorted by the orientation of its crops, landscape first, and each batch given its
+    majority's canvas (`train_canvases`). `stream` must start at a run's first record."""
+    window, batch = c.orientation_window, c.batch_size
+
+    @_unconverted
+    def landscape(key: tf.Tensor, record: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        example = builder.info.features.deserialize_example(
+            record, decoders={"image": tfds.decode.SkipDecoding()}
+        )
+        crop_key, _, _ = _augmentation_keys(key)
+        _, crop = _crop_window(encoded_image_size(example["image"]), crop_key, c)
+        return key, record, crop[1] >= crop[0]
+
+    @_unconverted
+    def sorted_run(keys: tf.Tensor, records: tf.Tensor, landscape: tf.Tensor):
+        order = tf.argsort(tf.cast(tf.logical_not(landscape), tf.int32), stable=True)
+        by_batch = tf.reshape(tf.cast(tf.gather(landscape, order), tf.int32), [window, batch])
+        majority = 2 * tf.reduce_sum(by_batch, axis=1) >= batch
+        return tf.gather(keys, order), tf.gather(records, order), tf.repeat(majority, batch)
+
+    return (
+        stream.map(landscape, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        .batch(window * batch, drop_remainder=True)
+        .map(sorted_run)
+        .unbatch()
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -311,7 +427,12 @@ def train_dataset(
         raise ValueError(f"split {split!r} has no examples")
     if start_step < 0:
         raise ValueError(f"start_step={start_step} is negative")
-    first_epoch, offset = divmod(start_step * c.batch_size, num_examples)
+    # Orientation groups are runs of whole batches counted from the first: a resumed stream
+    # starts at its run's first record and skips the batches of the run already trained on.
+    run_start = (
+        start_step - start_step % c.orientation_window if c.orientation_window else start_step
+    )
+    first_epoch, offset = divmod(run_start * c.batch_size, num_examples)
     num_files = len(instructions)
 
     @_unconverted
@@ -334,14 +455,26 @@ def train_dataset(
 
         return records.enumerate().map(keyed)
 
-    @_unconverted
-    def example(key: tf.Tensor, record: tf.Tensor) -> dict[str, tf.Tensor]:
-        return _train_example(_decoded(builder, record), key, c)
-
     # Records before the resume point (and other processes' rows) are read and shuffled, to keep
     # the global order, but skipped before parsing, so never decoded or augmented. Every process
     # reads every record's bytes: TFRecord files allow no random access.
     stream = tf.data.Dataset.counter(first_epoch).flat_map(epoch).skip(offset)
+    if c.orientation_window:
+        landscape, portrait = train_canvases(c)
+        stream = _grouped_by_orientation(stream, builder, c)
+        stream = stream.skip((start_step - run_start) * c.batch_size)
+
+        @_unconverted
+        def example(key: tf.Tensor, record: tf.Tensor, wide: tf.Tensor) -> dict[str, tf.Tensor]:
+            canvas = tf.where(wide, landscape, portrait)
+            return _train_example(_decoded(builder, record), key, canvas, c)
+
+    else:
+
+        @_unconverted
+        def example(key: tf.Tensor, record: tf.Tensor) -> dict[str, tf.Tensor]:
+            return _train_example(_decoded(builder, record), key, train_canvases(c)[0], c)
+
     return (
         _keep_rows(stream, rows, c.batch_size)
         .map(
@@ -412,14 +545,18 @@ def eval_dataset(
 # ------------------------------------------------------------------------------------------------
 
 
-def batch_spec(config: ml_collections.ConfigDict) -> dict[str, jax.ShapeDtypeStruct]:
-    """Shapes and dtypes of one global device batch of `config` (config.input), without the
-    host-only keys: what a step is compiled for before any data exists."""
+def batch_spec(
+    config: ml_collections.ConfigDict, canvas: tuple[int, int] | None = None
+) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shapes and dtypes of one global device batch of `config` (config.input) on `canvas`
+    (height, width; by default the S x S square), without the host-only keys: what a step is
+    compiled for before any data exists."""
     c = _checked(config)
-    b, s, m = c.batch_size, c.image_size, c.max_boxes
+    b, m = c.batch_size, c.max_boxes
+    h, w = canvas or (c.image_size, c.image_size)
     shapes = {
-        "image": ((b, s, s, 3), np.float32),
-        "image_mask": ((b, s, s), np.bool_),
+        "image": ((b, h, w, 3), np.float32),
+        "image_mask": ((b, h, w), np.bool_),
         "image_size": ((b, 2), np.int32),
         "orig_size": ((b, 2), np.int32),
         "boxes": ((b, m, 4), np.float32),
@@ -431,14 +568,17 @@ def batch_spec(config: ml_collections.ConfigDict) -> dict[str, jax.ShapeDtypeStr
     return {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in shapes.items()}
 
 
-def boxes_on_canvas(boxes: np.ndarray, image_size: np.ndarray, canvas: int) -> np.ndarray:
-    """Normalized cxcywh relative to the unpadded image [..., M, 4] -> relative to the canvas.
+def boxes_on_canvas(
+    boxes: np.ndarray, image_size: np.ndarray, canvas: tuple[int, int]
+) -> np.ndarray:
+    """Normalized cxcywh relative to the unpadded image [..., M, 4] -> relative to the canvas
+    (height, width).
 
     `image_size` is the batch's [..., 2] (height, width); numpy or jax arrays.
     """
     size = image_size.astype(boxes.dtype)
     absolute = box_lib.scale(boxes, size[..., None, 0], size[..., None, 1])
-    return box_lib.unscale(absolute, float(canvas), float(canvas))
+    return box_lib.unscale(absolute, float(canvas[0]), float(canvas[1]))
 
 
 def coco_boxes(boxes: np.ndarray, orig_size: np.ndarray) -> np.ndarray:

@@ -33,6 +33,7 @@ _RULES: dict[str, tuple[type, float, bool]] = {
     "input.max_size": (int, 1, True),
     "input.eval_size": (int, 1, True),
     "input.max_boxes": (int, 1, True),
+    "input.orientation_window": (int, 0, True),
     "optim.lr": (float, 0.0, True),
     "optim.backbone_lr": (float, 0.0, True),
     "optim.weight_decay": (float, 0.0, True),
@@ -124,6 +125,7 @@ _ABSENT = object()
 ADDED_FIELDS = {
     "ema_decay": 0.0,
     "ema_warmup": True,
+    "input.orientation_window": 0,
     "model.dtype": "float32",
     "selection.val_fraction": 0.0,
     "selection.oracle_fraction": 0.2,

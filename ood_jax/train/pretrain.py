@@ -122,7 +122,8 @@ def pretrain_backbone(
                 {"params": params, **model_state}, batch["image"], True, mutable=list(model_state)
             )
             grid = logits.shape[1:3]
-            boxes = pipeline.boxes_on_canvas(batch["boxes"], batch["image_size"], size)
+            canvas = batch["image"].shape[1:3]
+            boxes = pipeline.boxes_on_canvas(batch["boxes"], batch["image_size"], canvas)
             targets = dense_targets(
                 boxes, batch["labels"], batch["box_mask"], grid, args.num_classes
             )

@@ -118,11 +118,11 @@ def _pixels(image: np.ndarray) -> np.ndarray:
     return (image * pipeline.IMAGENET_STD + pipeline.IMAGENET_MEAN) * 255.0
 
 
-def _check_content(batch: dict, canvas: int) -> int:
+def _check_content(batch: dict) -> int:
     """Every large enough target box encloses its class's color, tightly. Returns boxes checked."""
-    xyxy = box_lib.cxcywh_to_xyxy(
-        pipeline.boxes_on_canvas(batch["boxes"], batch["image_size"], canvas) * canvas
-    )
+    canvas = batch["image"].shape[1:3]
+    on_canvas = pipeline.boxes_on_canvas(batch["boxes"], batch["image_size"], canvas)
+    xyxy = box_lib.cxcywh_to_xyxy(on_canvas) * np.array(canvas[::-1] * 2, np.float32)
     checked = 0
     for i, j in zip(*np.nonzero(batch["box_mask"])):
         x0, y0, x1, y1 = xyxy[i, j]
@@ -174,7 +174,7 @@ def test_train_batch_shapes_masks_and_content(builder):
             np.testing.assert_array_equal(batch["image_mask"][i], rows & cols)
             assert not batch["image"][i][~batch["image_mask"][i]].any()
         assert not batch["boxes"][~batch["box_mask"]].any()
-        checked += _check_content(batch, 128)
+        checked += _check_content(batch)
     assert checked > 30
 
 
@@ -190,7 +190,7 @@ def test_flip_mirrors_image_and_boxes(builder):
             b["boxes"][..., 0], np.where(a["box_mask"], 1 - a["boxes"][..., 0], 0), atol=1e-6
         )
         np.testing.assert_allclose(b["boxes"][..., 1:], a["boxes"][..., 1:], atol=1e-6)
-        _check_content(b, 128)
+        _check_content(b)
 
 
 def test_crop_clips_and_drops_boxes(builder):
@@ -201,7 +201,7 @@ def test_crop_clips_and_drops_boxes(builder):
         assert (xyxy >= 0).all() and (xyxy <= 1 + 1e-6).all()
         assert (xyxy[:, 2:] > xyxy[:, :2]).all()
         clipped += int(np.isclose(xyxy, 0, atol=1e-6).sum() + np.isclose(xyxy, 1, atol=1e-6).sum())
-        _check_content(batch, 128)
+        _check_content(batch)
         dropped += sum(
             n < _non_crowd(BY_ID_BY_SIZE[tuple(size)])
             for n, size in zip(batch["box_mask"].sum(1), batch["orig_size"])
@@ -236,14 +236,62 @@ def test_epochs_cover_the_split_in_new_orders(builder):
     assert first != second
 
 
-def test_resume_continues_the_same_sequence(builder):
-    # 6 does not divide 16, so batches straddle epochs and the resume point is mid-epoch.
-    config = _config(batch_size=6)
+@pytest.mark.parametrize("orientation_window", [0, 3])
+def test_resume_continues_the_same_sequence(builder, orientation_window):
+    # 6 does not divide 16, so batches straddle epochs and the resume point is mid-epoch (and,
+    # grouped, in the middle of a run of 3 batches).
+    config = _config(batch_size=6, orientation_window=orientation_window)
     full = _batches(builder, 8, config=config)
-    resumed = _batches(builder, 5, config=config, start_step=3)
-    for x, y in zip(full[3:], resumed):
+    resumed = _batches(builder, 4, config=config, start_step=4)
+    for x, y in zip(full[4:], resumed):
         for key in x:
             np.testing.assert_array_equal(x[key], y[key])
+
+
+def test_orientation_groups_are_the_same_examples_on_rectangles(builder):
+    """With orientation_window=2, each run of 2 batches holds the images, crops, scales and
+    flips of the ungrouped run, sorted: a batch is landscape on 96x128 or portrait on 128x96,
+    and only where a run turns may an image of the other orientation be resized to fit."""
+    plain_config = _config(scales=(64, 96))
+    grouped_config = _config(scales=(64, 96), orientation_window=2)
+    landscape, portrait = pipeline.train_canvases(grouped_config)
+    assert (landscape, portrait) == ((96, 128), (128, 96))
+    assert pipeline.train_canvases(plain_config) == ((128, 128),)
+    plain, grouped = _batches(builder, 8, plain_config), _batches(builder, 8, grouped_config)
+
+    fitted = 0
+    for run in range(4):
+        mixed = 0
+        by_source = {}
+        for batch in plain[2 * run : 2 * run + 2]:
+            for i, source in enumerate(batch["orig_size"]):
+                by_source[tuple(source)] = (batch, i)
+        sources = [tuple(s) for b in grouped[2 * run : 2 * run + 2] for s in b["orig_size"]]
+        assert sorted(sources) == sorted(by_source)
+        wide = []
+        for batch in grouped[2 * run : 2 * run + 2]:
+            canvas = batch["image"].shape[1:3]
+            assert canvas in (landscape, portrait)
+            orientations = set()
+            for i, (h, w) in enumerate(batch["image_size"]):
+                assert h <= canvas[0] and w <= canvas[1]
+                twin, j = by_source[tuple(batch["orig_size"][i])]
+                th, tw = twin["image_size"][j]
+                orientations.add(bool(tw >= th))
+                if (h, w) == (th, tw):
+                    np.testing.assert_array_equal(
+                        batch["image"][i, :h, :w], twin["image"][j, :h, :w]
+                    )
+                    np.testing.assert_array_equal(batch["boxes"][i], twin["boxes"][j])
+                else:  # resized to fit the other orientation's canvas
+                    assert (tw >= th) != (canvas == landscape) and h <= th and w <= tw
+                    fitted += 1
+            mixed += len(orientations) > 1
+            wide.append(canvas == landscape)
+            _check_content(batch)
+        assert wide in ([True, True], [True, False], [False, False])  # landscape first
+        assert mixed <= 1
+    assert fitted > 0
 
 
 @pytest.mark.slow
@@ -251,8 +299,11 @@ def test_processes_feed_their_rows_of_one_global_order(builder):
     """Two processes' rows of each global batch, stacked, are the one process's batch, bit for
     bit, from the start and from a resume point; so the data does not depend on the process
     count (6 does not divide 16: batches straddle epochs)."""
-    config = _config(batch_size=6)
-    for start_step in (0, 3):
+    for config, start_step in [
+        (_config(batch_size=6), 0),
+        (_config(batch_size=6), 3),
+        (_config(batch_size=6, orientation_window=2), 3),  # runs of 2 batches: 2 and 3
+    ]:
         whole = _batches(builder, 4, config=config, start_step=start_step)
         parts = [
             _batches(builder, 4, config=config, start_step=start_step, rows=rows)
@@ -263,10 +314,13 @@ def test_processes_feed_their_rows_of_one_global_order(builder):
                 stacked = np.concatenate([part[step][key] for part in parts])
                 np.testing.assert_array_equal(stacked, batch[key], err_msg=f"{step} {key}")
 
+    config = _config(batch_size=6)
     with pytest.raises(ValueError, match=r"rows=\(4, 7\)"):
         pipeline.train_dataset(builder, SPLIT, config, rows=(4, 7))
     with pytest.raises(ValueError, match="max_size"):
         pipeline.train_dataset(builder, SPLIT, _config(max_size=200))
+    with pytest.raises(ValueError, match="orientation_window"):
+        pipeline.train_dataset(builder, SPLIT, _config(orientation_window=-1))
 
 
 def test_eval_ids_sizes_partial_batch_and_coco_round_trip(builder):
@@ -293,7 +347,7 @@ def test_eval_ids_sizes_partial_batch_and_coco_round_trip(builder):
             np.testing.assert_array_equal(
                 batch["labels"][i, :n], np.array(example["objects"]["label"])[~crowd]
             )
-        _check_content(batch, 128)
+        _check_content(batch)
     assert sorted(seen) == sorted(BY_ID)
 
     # Two processes run the same number of steps; their rows of each batch, stacked, are the

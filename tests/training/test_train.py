@@ -489,9 +489,11 @@ def test_pretrained_backbone_enters_the_detector(tmp_path, data_dir):
 
 
 def test_pretraining_is_a_stage_of_its_own(tmp_path, data_dir):
-    """`ood-jax pretrain` writes the backbone once; `evaluate` never pretrains."""
+    """`ood-jax pretrain` writes the backbone once; `evaluate` never pretrains. Its batches
+    here are on an 80x96 or 96x80 rectangle (input.orientation_window)."""
     workdir = tmp_path / "run"
     overrides = {"pretrain__steps": 2, "pretrain__batch_size": 4, "log_every": 1}
+    overrides.update(input__orientation_window=1, input__scales=(64, 80), input__crop_prob=1.0)
     argv = ["pretrain", *train_argv(workdir, data_dir, **overrides)[1:]]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
