@@ -37,7 +37,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     args.backbone = "resnet50"
     args.backbone_norm = "frozen"
     args.backbone_frozen_stages = 1  # with counts_detr_r50.py's frozen_pattern
-    # Deformable sampling dominates activation memory at 1333 px: recompute it in the backward.
+    # Activations dominate memory at 1333 px: recompute the deformable sampling, the layers and
+    # the backbone's trained blocks in the backward pass (bench/dino_step.py --memory).
     args.remat = not runlocal
     # Batches of one orientation, on the 800x1333 rectangle rather than the 1333x1333 square
     # (bench/dino_step.py --memory); a run of 16 batches has at most one of mixed orientation.

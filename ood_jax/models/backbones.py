@@ -57,8 +57,10 @@ def build_backbone(
     dtype: Any = jnp.float32,
     name: str | None = None,
     frozen_stages: int = 0,
+    remat: bool = False,
 ) -> nn.Module:
-    """A ResNet (`resnet.ARCHS`) or ViT (`vit.VARIANTS`) by name; a module is used as it is."""
+    """A ResNet (`resnet.ARCHS`) or ViT (`vit.VARIANTS`) by name; a module is used as it is.
+    `remat` recomputes a ResNet's trained blocks in the backward pass (`resnet.ResNet.remat`)."""
     if isinstance(backbone, (resnet.ResNet, vit.ViT)):
         return backbone
     if backbone in vit.VARIANTS:
@@ -70,6 +72,7 @@ def build_backbone(
         norm=norm,
         dilation=dilation,
         frozen_stages=frozen_stages,
+        remat=remat,
         dtype=dtype,
         name=name,
     )
@@ -112,10 +115,18 @@ class BackboneConfig:
         given = {field: args[flat] for flat, field in FLAT_FIELDS.items() if flat in args}
         return cls(**{**defaults, **given})
 
-    def build(self, dtype: Any = jnp.float32, name: str | None = None) -> nn.Module:
+    def build(
+        self, dtype: Any = jnp.float32, name: str | None = None, remat: bool = False
+    ) -> nn.Module:
         """The backbone module (see `build_backbone`)."""
         return build_backbone(
-            self.arch, self.norm, self.dilation, dtype, name=name, frozen_stages=self.frozen_stages
+            self.arch,
+            self.norm,
+            self.dilation,
+            dtype,
+            name=name,
+            frozen_stages=self.frozen_stages,
+            remat=remat,
         )
 
 

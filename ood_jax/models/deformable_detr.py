@@ -383,7 +383,7 @@ def encode_images(
     """
     spec = model.backbone_config
     maps = backbone_feature_maps(
-        spec.build(model.dtype, name="backbone"),
+        spec.build(model.dtype, name="backbone", remat=model.remat),
         images,
         spec.stages,
         train,
@@ -444,8 +444,9 @@ class DeformableDetr(backbones.MultiScaleBackboneFields):
         backbone_stages: keyword-only, from `backbones.MultiScaleBackboneFields` (one record:
         `self.backbone_config`); `backbone_stages` are the ResNet stages the neck projects
         (C3-C5 by default).
-      remat: recompute deformable sampling and every encoder and decoder layer in the backward
-        pass from the layer's inputs (`layer_class`).
+      remat: recompute deformable sampling, every encoder and decoder layer (`layer_class`) and
+        a ResNet backbone's trained blocks (`resnet.ResNet.remat`) in the backward pass from
+        their inputs.
       dtype: compute dtype; parameters stay float32.
     """
 

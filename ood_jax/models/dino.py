@@ -67,8 +67,9 @@ class DINO(backbones.MultiScaleBackboneFields):
       backbone, backbone_norm, freeze_backbone, backbone_frozen_stages, dilation,
         backbone_stages: keyword-only, from `backbones.MultiScaleBackboneFields`, as in
         `DeformableDetr`; a ViT name gives the simple feature pyramid of its stride-16 map.
-      remat: recompute deformable sampling and every encoder and decoder layer in the backward
-        pass from the layer's inputs (`deformable_detr.layer_class`).
+      remat: recompute deformable sampling, every encoder and decoder layer (`deformable_detr.layer_class`) and
+        a ResNet backbone's trained blocks (`resnet.ResNet.remat`) in the backward pass from
+        their inputs.
       dtype: compute dtype; parameters stay float32.
     """
 

@@ -108,7 +108,9 @@ def test_other_convolutions_fall_back_to_lax(kwargs):
 
 
 @pytest.mark.slow
-def test_resnet_gradients_match_lax_convolutions_and_frozen_stages_get_none(monkeypatch):
+def test_resnet_gradients_match_lax_convolutions_frozen_stages_get_none_remat_the_same(
+    monkeypatch,
+):
     images = jnp.asarray(np.random.default_rng(2).standard_normal((2, 64, 64, 3)), jnp.float32)
     ours = resnet.build("resnet18", norm="frozen", dilation=True)
     variables = ours.init(jax.random.key(0), images)
@@ -143,6 +145,12 @@ def test_resnet_gradients_match_lax_convolutions_and_frozen_stages_get_none(monk
             assert norm == 0.0, name
         else:
             assert norm > 0.0, name
+
+    # Recomputing the trained blocks in the backward pass changes no gradient.
+    recomputed = grads(ours.clone(frozen_stages=1, remat=True))
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), recomputed, frozen
+    )
 
 
 def test_frozen_stages_out_of_range_is_refused():
