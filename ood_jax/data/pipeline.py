@@ -40,7 +40,7 @@ _unconverted = tf.autograph.experimental.do_not_convert
 def default_config() -> ml_collections.ConfigDict:
     """The pipeline's options with their defaults: DETR's recipe at demo resolution."""
     config = ml_collections.ConfigDict()
-    config.image_size = 160  # S, the side of the square canvas every image is padded to.
+    config.image_size = 160  # S: the square canvas of evaluation (and of training, but below).
     config.max_size = 160  # Longest side after resizing; at most image_size.
     config.scales = (96, 112, 128, 144, 160)  # Training: shorter side drawn from these.
     config.eval_size = 160  # Evaluation: shorter side.
