@@ -14,6 +14,7 @@ import textwrap
 import ml_collections
 import numpy as np
 import pytest
+import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from ood_jax import boxes as box_lib
@@ -246,6 +247,21 @@ def test_resume_continues_the_same_sequence(builder, orientation_window):
     for x, y in zip(full[4:], resumed):
         for key in x:
             np.testing.assert_array_equal(x[key], y[key])
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "BMP"])
+def test_encoded_image_size_reads_headers_and_decodes_the_rest(fmt):
+    """JPEG and PNG from their headers (what orientation groups read), others by decoding."""
+    import io
+
+    from PIL import Image
+
+    rng = np.random.default_rng(len(fmt))
+    for height, width in rng.integers(1, 3000, size=(3, 2)):
+        buffer = io.BytesIO()
+        Image.new("RGB", (int(width), int(height))).save(buffer, format=fmt)
+        size = pipeline.encoded_image_size(tf.constant(buffer.getvalue())).numpy()
+        assert size.tolist() == [height, width]
 
 
 def test_orientation_groups_are_the_same_examples_on_rectangles(builder):
