@@ -154,8 +154,8 @@ def test_predict_prepares_images_as_the_eval_pipeline(run):
     rng = np.random.default_rng(1)
     for shape in [(40, 70, 3), (300, 150, 3)]:
         image = rng.integers(0, 256, shape, np.uint8)
-        resized, size = pipeline._resize(tf.constant(image), config.input.eval_size, 96)
-        canvas, mask = pipeline._canvas(resized, size, 96)
+        resized, size = pipeline._resize(tf.constant(image), config.input.eval_size, 96, (96, 96))
+        canvas, mask = pipeline._canvas(resized, size, (96, 96))
         ours, our_mask = model.preprocess(image)
         assert model.resized_size(*shape[:2]) == tuple(size.numpy())
         np.testing.assert_allclose(ours, canvas.numpy(), rtol=0, atol=1e-4)
