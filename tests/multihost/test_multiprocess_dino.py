@@ -52,8 +52,8 @@ def test_dino_evaluates_as_one_process(data_dir, compile_cache, tmp_path):
     for name in twos.files:
         if np.issubdtype(twos[name].dtype, np.floating):
             # Each process compiles the predict step for its own devices: 1 x 4 and 2 x 2 are
-            # two executables, whose scores may differ in the last bits (1.4e-6 measured when the
-            # tests compiled at LLVM -O1); which detection matched which box (below) may not.
+            # two executables, whose scores may differ in the last bits (1.4e-6 measured with the
+            # tests' LLVM -O1); which detection matched which box (below) may not.
             np.testing.assert_allclose(ones[name], twos[name], rtol=1e-5, atol=0, err_msg=name)
         else:
             np.testing.assert_array_equal(ones[name], twos[name], err_msg=name)
