@@ -23,9 +23,9 @@ import warnings  # noqa: E402
 # inherit the environment): half the compile time of the default (the DETR smoke train step 8.5 s
 # against 17.5 s), which is most of what a test of a small model spends. The code XLA emits is
 # the same program; values move in the last bits (floating-point contraction), within every
-# tolerance. Set before any test touches a backend. Not -O0: it compiles that step in 11 s but
-# runs 1.5-1.9x slower, and the suite measured slower (36-39 min against 31), its several-process
-# tests most.
+# tolerance. Set before any test touches a backend. Not -O0: on the slower 2-core machine, where
+# -O1 compiles that step in 18-19 s, -O0 took 11 s but ran it 1.5-1.9x slower, and the suite's
+# tests measured slower (36-39 min against 31), its several-process tests most.
 LLVM_O1 = "--xla_backend_optimization_level=1"
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {LLVM_O1}".strip()

@@ -276,7 +276,9 @@ def test_one_and_four_devices_take_the_same_step(tmp_path, data_dir, compile_cac
             text=True,
         )
     try:
-        outputs = {n: child.communicate(timeout=400)[0] for n, child in children.items()}
+        outputs = {
+            devices: child.communicate(timeout=400)[0] for devices, child in children.items()
+        }
     finally:
         for child in children.values():
             child.kill()
