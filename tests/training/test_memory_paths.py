@@ -18,6 +18,11 @@ pytestmark = pytest.mark.slow
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
+# The programs here are compiled to be compared (with and without remat), not timed: LLVM at -O0
+# compiles them in less time than the suite's -O1 (tests/conftest.py); memory is assigned before
+# LLVM runs, so the compiled step's temp bytes are the same at either level (measured).
+COMPARED_NOT_TIMED = {"xla_backend_optimization_level": 0}
+
 TINY_RESNET = resnet.ResNet(
     stage_sizes=(1, 1, 1, 1), block="basic", planes=(8, 16, 32, 64), stem_width=8, norm="frozen"
 )
@@ -60,7 +65,9 @@ def test_remat_changes_neither_outputs_nor_gradients(family: str) -> None:
     else:
         model = deformable_detr.DeformableDetr(**SMALL, two_stage=True, with_box_refine=True)
         kwargs = {}
-    variables = jax.jit(model.init)(jax.random.key(0), images, pixel_mask)
+    variables = jax.jit(model.init, compiler_options=COMPARED_NOT_TIMED)(
+        jax.random.key(0), images, pixel_mask
+    )
 
     def run(remat: bool):
         module = model.clone(remat=remat)
@@ -70,7 +77,8 @@ def test_remat_changes_neither_outputs_nor_gradients(family: str) -> None:
             leaves = jax.tree.leaves(out)
             return sum(jnp.sum(x * (i + 1)) for i, x in enumerate(leaves)), out
 
-        return jax.jit(jax.grad(loss, has_aux=True))(variables["params"])
+        gradient = jax.grad(loss, has_aux=True)
+        return jax.jit(gradient, compiler_options=COMPARED_NOT_TIMED)(variables["params"])
 
     (ref_grads, ref), (grads, out) = run(False), run(True)
     for ours, theirs in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
@@ -130,7 +138,9 @@ def _trainer_step_temp_bytes(remat: bool) -> int:
     layout = train.build_layout(config, sharding.make_mesh(config.mesh), steps_per_epoch=10.0)
     batch = pipeline.batch_spec(config.input)
     step = train.jit_train_step(config, layout)
-    compiled = step.lower(layout.abstract_state, batch, jax.random.key(0)).compile()
+    lowered = step.lower(layout.abstract_state, batch, jax.random.key(0))
+    # Added to the step's own options (train.step_compiler_options), which stay in force.
+    compiled = lowered.compile(COMPARED_NOT_TIMED)
     return compiled.memory_analysis().temp_size_in_bytes
 
 
