@@ -84,6 +84,7 @@ def test_dino_keeps_the_frozen_backbone_trains_the_denoising_queries_and_exports
 
     logged = logged_losses(dino_run)
     assert sorted(logged) == [1, 2] and all(math.isfinite(v) for v in logged.values())
+    assert json.loads((dino_run / "results.json").read_text())["step"] == 2
     # Both checkpoints hold a step's update: what a step moves differs between them.
     first, last = read_state(dino_run, 1), read_state(dino_run, 2)
     backbone = [k for k in last if "['params']['backbone']" in k]

@@ -20,7 +20,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 # The programs here are compiled to be compared (with and without remat), not timed: LLVM at -O0
 # compiles them in less time than the suite's -O1 (tests/conftest.py); memory is assigned before
-# LLVM runs, so the compiled step's temp bytes are the same at either level (measured).
+# LLVM runs, so the compiled step's temp bytes are the same at either level (measured on the
+# trainer's DINO step at 64 px with remat: 29,758,592 bytes at both).
 COMPARED_NOT_TIMED = {"xla_backend_optimization_level": 0}
 
 TINY_RESNET = resnet.ResNet(

@@ -259,32 +259,26 @@ MESHES = {
 
 
 def test_one_and_four_devices_take_the_same_step(tmp_path, data_dir, compile_cache):
-    # One child per device count (fixed when its jax starts), side by side, each taking the
-    # steps of its meshes.
-    by_devices: dict[int, dict] = {}
-    for name, (mesh, rules, devices) in MESHES.items():
-        (tmp_path / name).mkdir()
-        by_devices.setdefault(devices, {})[name] = (mesh, rules, devices)
+    # One child per mesh, side by side: a child's device count is fixed when its jax starts.
     children = {}
-    for devices, meshes in by_devices.items():
-        args = [str(CONFIG_FILE), str(data_dir), str(tmp_path), json.dumps(meshes)]
-        children[devices] = subprocess.Popen(
+    for name, spec in MESHES.items():
+        (tmp_path / name).mkdir()
+        args = [str(CONFIG_FILE), str(data_dir), str(tmp_path), json.dumps({name: spec})]
+        children[name] = subprocess.Popen(
             [sys.executable, "-c", ONE_STEP, *args],
-            env=child_env(devices=devices),
+            env=child_env(devices=spec[2]),
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
     try:
-        outputs = {
-            devices: child.communicate(timeout=400)[0] for devices, child in children.items()
-        }
+        outputs = {name: child.communicate(timeout=400)[0] for name, child in children.items()}
     finally:
         for child in children.values():
             child.kill()
-    for devices, child in children.items():
-        assert child.returncode == 0, f"{devices} devices:\n{outputs[devices][-4000:]}"
+    for name, child in children.items():
+        assert child.returncode == 0, f"{name}:\n{outputs[name][-4000:]}"
     runs = {name: dict(np.load(tmp_path / name / f"{name}.npz")) for name in MESHES}
 
     reference = runs.pop("one_device")
