@@ -213,9 +213,22 @@ def process_allgather(tree: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def from_host_copy(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
     """A global array of `array`, which every process holds whole (mining's features, a batch of
-    texts): each process transfers only the parts its devices hold."""
+    texts, weights read from a file): each process transfers only the parts its devices hold.
+
+    Unlike `jax.device_put`, which on a mesh over several processes first all-gathers a host
+    array from every process to check that they agree: a compile and the whole array from each
+    process, per array.
+    """
     array = np.asarray(array)
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def tree_from_host_copy(tree: Any, shardings: Any) -> Any:
+    """`from_host_copy` of each leaf of `tree` onto the matching leaf of `shardings`, or onto
+    `shardings` itself when it is one sharding."""
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda leaf: from_host_copy(leaf, shardings), tree)
+    return jax.tree.map(from_host_copy, tree, shardings)
 
 
 def to_host(array: jax.Array) -> np.ndarray:

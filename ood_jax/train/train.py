@@ -268,11 +268,37 @@ def load_pretrained_backbone(
     files, or the variables `pretrain.pretrain_backbone` writes (.msgpack).
 
     The file is read by the `load_backbone` of the family `model_name` (config.model.name)
-    names; without one, by `backbones.load_backbone`, which every family's is today.
+    names; without one, by `backbones.load_backbone`, which every family's is today. The
+    state's other arrays are kept as they are (shared, not copied).
     """
     path = pathlib.Path(path)
     load = registry.family(model_name).load_backbone if model_name else backbones.load_backbone
     variables = load(model_args, path)
+    expected = jax.tree.map(np.shape, (state.params, state.model_state))
+    got = jax.tree.map(np.shape, _with_backbone(state, variables))
+    if expected != got:
+        raise ValueError(
+            f"config.model.backbone_weights: {path} does not fit backbone "
+            f"{model_args.backbone!r} (shapes differ)"
+        )
+    where = {"params": state_sharding.params["backbone"]}
+    if "batch_stats" in variables:
+        where["batch_stats"] = state_sharding.model_state["batch_stats"]["backbone"]
+    placed = sharding.tree_from_host_copy({name: variables[name] for name in where}, where)
+    params, model_state = _with_backbone(state, placed)
+    loaded = state.replace(params=params, model_state=model_state)
+    if isinstance(state, EmaTrainState):  # step 0: the average is the weights it starts from
+        # Copies, never aliases: the train step donates params and ema_params, each buffer once.
+        copy_of_average = jax.jit(
+            lambda p: jax.tree.map(jnp.copy, optim.init_ema(p)),
+            out_shardings=state_sharding.ema_params,
+        )
+        loaded = loaded.replace(ema_params=copy_of_average(params))
+    return loaded
+
+
+def _with_backbone(state: TrainState, variables: Mapping[str, Any]) -> tuple[Any, Any]:
+    """`state`'s (params, model_state) with the backbone's parts taken from `variables`."""
     params = {**state.params, "backbone": variables["params"]}
     model_state = dict(state.model_state)
     if "batch_stats" in variables:
@@ -280,18 +306,7 @@ def load_pretrained_backbone(
             **model_state["batch_stats"],
             "backbone": variables["batch_stats"],
         }
-    loaded = state.replace(params=params, model_state=model_state)
-    expected = jax.tree.map(lambda x: x.shape, (state.params, state.model_state))
-    got = jax.tree.map(lambda x: np.shape(x), (loaded.params, loaded.model_state))
-    if expected != got:
-        raise ValueError(
-            f"config.model.backbone_weights: {path} does not fit backbone "
-            f"{model_args.backbone!r} (shapes differ)"
-        )
-    if isinstance(state, EmaTrainState):  # step 0: the average is the weights it starts from
-        loaded = loaded.replace(ema_params=optim.init_ema(params))
-    # Copies, never aliases: the train step donates params and ema_params, each buffer once.
-    return jax.device_put(loaded, state_sharding, may_alias=False)
+    return params, model_state
 
 
 @dataclasses.dataclass(frozen=True)
