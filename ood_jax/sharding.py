@@ -10,6 +10,7 @@ features), `from_host_copy` and `to_host` move it on and off.
 from __future__ import annotations
 
 import collections
+import hashlib
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Sequence
@@ -18,6 +19,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ood_jax import multihost
 
 STRATEGIES = ("replicate", "fsdp")
 
@@ -213,22 +216,40 @@ def process_allgather(tree: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def from_host_copy(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
     """A global array of `array`, which every process holds whole (mining's features, a batch of
-    texts, weights read from a file): each process transfers only the parts its devices hold.
-
-    Unlike `jax.device_put`, which on a mesh over several processes first all-gathers a host
-    array from every process to check that they agree: a compile and the whole array from each
-    process, per array.
-    """
+    texts): each process transfers only the parts its devices hold."""
     array = np.asarray(array)
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
-def tree_from_host_copy(tree: Any, shardings: Any) -> Any:
-    """`from_host_copy` of each leaf of `tree` onto the matching leaf of `shardings`, or onto
-    `shardings` itself when it is one sharding."""
+def tree_from_host_copy(tree: Any, shardings: Any, *, source: str) -> Any:
+    """`from_host_copy` of each leaf of `tree`, which every process read from `source` (weights
+    in a file), onto the matching leaf of `shardings`, or onto `shardings` itself when it is
+    one sharding.
+
+    With several processes they first compare a digest of `tree`: one exchange through the
+    coordination service, where `jax.device_put` would all-gather every array from every process
+    (and compile a program for each) to check that they agree.
+    """
+    if jax.process_count() > 1:
+        _check_processes_read_the_same(tree, source)
     if isinstance(shardings, jax.sharding.Sharding):
         return jax.tree.map(lambda leaf: from_host_copy(leaf, shardings), tree)
     return jax.tree.map(from_host_copy, tree, shardings)
+
+
+def _check_processes_read_the_same(tree: Any, source: str) -> None:
+    digest = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        leaf = np.ascontiguousarray(leaf)
+        digest.update(f"{jax.tree_util.keystr(path)} {leaf.dtype} {leaf.shape}".encode())
+        digest.update(leaf.reshape(-1).view(np.uint8))
+    digests = multihost.every_process(f"weights/{source}", digest.hexdigest())
+    differing = [p for p, d in enumerate(digests) if d != digests[0]]
+    if differing:
+        raise ValueError(
+            f"{source}: process {differing[0]} read other weights than process 0; every process "
+            "must read the same file (one shared filesystem, or the same copy on every host)"
+        )
 
 
 def to_host(array: jax.Array) -> np.ndarray:

@@ -95,7 +95,9 @@ class Scorer:
         self.logit_scale = float(np.exp(params["t"])) if "t" in params else logit_scale
         self.logit_bias = float(params["b"]) if "b" in params else None
         if mesh is not None:
-            variables = sharding.tree_from_host_copy(variables, sharding.replicated(mesh))
+            variables = sharding.tree_from_host_copy(
+                variables, sharding.replicated(mesh), source=self.identity.get("path", kind)
+            )
         self.variables = variables
         self._batch_sharding = None if mesh is None else sharding.batch_sharding(mesh)
         self._tokenizer = None

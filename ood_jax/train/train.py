@@ -284,7 +284,8 @@ def load_pretrained_backbone(
     where = {"params": state_sharding.params["backbone"]}
     if "batch_stats" in variables:
         where["batch_stats"] = state_sharding.model_state["batch_stats"]["backbone"]
-    placed = sharding.tree_from_host_copy({name: variables[name] for name in where}, where)
+    read = {name: variables[name] for name in where}
+    placed = sharding.tree_from_host_copy(read, where, source=str(path))
     params, model_state = _with_backbone(state, placed)
     loaded = state.replace(params=params, model_state=model_state)
     if isinstance(state, EmaTrainState):  # step 0: the average is the weights it starts from

@@ -114,3 +114,32 @@ def test_start_global_refuses_an_int64_device_field():
     data_sharding = sharding.batch_sharding(sharding.make_mesh([("data", -1)], jax.devices()[:1]))
     with pytest.raises(ValueError, match="image_id"):
         next(sharding.start_global(_host_batches(1), data_sharding))
+
+
+def test_weights_read_by_every_process_are_placed_once_their_digests_agree(monkeypatch):
+    """Several processes compare one digest of what they read (`multihost.every_process`); one
+    that read other values is named with the file. Here the first read stands for process 0's."""
+    from ood_jax import multihost
+
+    weights = {"conv": {"kernel": np.arange(6, dtype=np.float32).reshape(2, 3)}}
+    other = {"conv": {"kernel": weights["conv"]["kernel"].copy()}}
+    other["conv"]["kernel"][1, 2] += 1e-6
+    mesh = sharding.make_mesh([("data", -1)], jax.devices()[:1])
+    first_read = {}
+
+    def every_process(name, value):
+        first_read.setdefault(name, value)
+        return [first_read[name], value]
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost, "every_process", every_process)
+    replicated = sharding.replicated(mesh)
+    for _ in range(2):
+        placed = sharding.tree_from_host_copy(weights, replicated, source="w.msgpack")
+        np.testing.assert_array_equal(placed["conv"]["kernel"], weights["conv"]["kernel"])
+        assert placed["conv"]["kernel"].sharding == replicated
+    with pytest.raises(
+        ValueError, match=r"^w.msgpack: process 1 read other weights than process 0"
+    ):
+        sharding.tree_from_host_copy(other, replicated, source="w.msgpack")
+    assert list(first_read) == ["weights/w.msgpack"]
