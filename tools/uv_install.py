@@ -30,14 +30,13 @@ PRECEDENCE = (":env:", "install", "global")  # first wins, as pip resolves them
 
 def pip_config() -> dict[tuple[str, str], str]:
     """`pip config list` as {(section, option): value}; it prints each value's repr."""
-    listed = subprocess.run(
-        [sys.executable, "-m", "pip", "config", "list"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True
+    )
+    if done.returncode:
+        sys.exit(f"uv_install: `pip config list` failed: {done.stderr.strip()}")
     config = {}
-    for line in listed.splitlines():
+    for line in done.stdout.splitlines():
         key, _, value = line.partition("=")
         section, _, option = key.rpartition(".")
         config[section, option] = ast.literal_eval(value)
