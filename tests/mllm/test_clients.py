@@ -94,7 +94,10 @@ class ChatServer:
                 self._send(200, {}, {"object": "list", "data": listed})
 
             def do_POST(self):
-                raw = self.rfile.read(int(self.headers["Content-Length"]))
+                length = int(self.headers["Content-Length"])
+                raw = self.rfile.read(length)
+                if len(raw) < length:  # the client hung up before its body (a run stopping)
+                    return
                 body = json.loads(raw)
                 with server._lock:
                     server.requests.append((self.path, dict(self.headers), body))
