@@ -159,6 +159,34 @@ def _quiet_converter_logs() -> Iterator[None]:
             logger.setLevel(level)
 
 
+@contextlib.contextmanager
+def _connected_by_producer() -> Iterator[None]:
+    # After each equation jax2onnx 0.17.1 checks that its outputs are in the graph by comparing
+    # them with every node's outputs (`_value_is_graph_connected`): quadratic in the graph's
+    # size, 84 of the 140 s `bench/onnx_inference.py --smoke` took for two toy detectors. A
+    # value whose producer is a node of the builder's graph is in it; anything else still gets
+    # the converter's own scan, so its answers do not change.
+    from jax2onnx.converter import output_binding
+
+    scan = getattr(output_binding, "_value_is_graph_connected", None)
+    if scan is None:  # another jax2onnx: its own check, however long it takes
+        yield
+        return
+
+    def connected(ctx: Any, value: Any) -> bool:
+        producer = value.producer() if hasattr(value, "producer") else None
+        graph = getattr(getattr(ctx, "builder", None), "graph", None)
+        if producer is not None and graph is not None and producer.graph is graph:
+            return True
+        return scan(ctx, value)
+
+    output_binding._value_is_graph_connected = connected
+    try:
+        yield
+    finally:
+        output_binding._value_is_graph_connected = scan
+
+
 def convert(model: exported.ExportedModel, batch_size: int | None = None) -> Any:
     """The model's predict on prepared batches as an `onnx.ModelProto`: inputs `INPUT_NAMES`,
     outputs `OUTPUT_NAMES`, a symbolic batch dimension "batch" unless `batch_size` is given."""
@@ -178,7 +206,7 @@ def convert(model: exported.ExportedModel, batch_size: int | None = None) -> Any
     # Replaying the plain jaxpr gives jax2onnx lax primitives alone, parameters as constants.
     specs = list(portable.input_specs(model.input_config["image_size"], batch_size))
     traced = jax.make_jaxpr(predict)(*specs)
-    with _quiet_converter_logs():
+    with _quiet_converter_logs(), _connected_by_producer():
         return jax2onnx.to_onnx(
             lambda images, mask: _replay(traced.jaxpr, traced.consts, images, mask),
             specs,
