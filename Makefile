@@ -7,22 +7,22 @@ BIN := $(VENV)/bin
 # Stamps record what the venv holds for this pyproject; editing pyproject reinstalls. The demo
 # needs the package alone; tests add the parity references (torch, timm, pycocotools, ...).
 # Packages go in with uv (itself from PyPI, into the venv), from wherever pip is configured to
-# install from (tools/uv_install.py): it downloads and unpacks in parallel, and put the test
+# install from (tools/uv_install.py): it downloads and unpacks in parallel, and it put the test
 # extra's 8 GB (torch with its CUDA libraries, TensorFlow, ...) into a fresh clone's venv in
 # 39 s, where pip took 3 min 12 s (back to back, empty caches, 2 idle cores).
 INSTALL = $(BIN)/python tools/uv_install.py
 
 $(VENV)/.runtime: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q uv
+	$(BIN)/pip install -q uv==0.13.9
 	$(INSTALL) -e .
 	touch $@
 
+# The last three go in without their declared dependencies: pyproject's `sources`,
+# `corruptions` and `onnx` extras say why.
 $(VENV)/.installed: $(VENV)/.runtime
 	$(INSTALL) -e '.[test]'
-	$(INSTALL) --no-deps nuscenes-devkit==1.2.0  # see pyproject's `sources` extra
-	$(INSTALL) --no-deps imagecorruptions==1.1.2  # see pyproject's `corruptions` extra
-	$(INSTALL) --no-deps jax2onnx==0.17.1  # see pyproject's `onnx` extra
+	$(INSTALL) --no-deps nuscenes-devkit==1.2.0 imagecorruptions==1.1.2 jax2onnx==0.17.1
 	touch $@
 
 demo: $(VENV)/.runtime

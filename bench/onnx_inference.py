@@ -32,10 +32,11 @@ result line (`common.result_line`): the first model's figures as the headline, e
 under "models" ({"name", "ours_s", "peer": "onnxruntime", "peer_s", "ratio"}); ratio =
 onnxruntime seconds / ours (above 1: ours faster).
 
-Measured at the defaults (512x512, batch 1, 2 cores, load average 1.5, onnxruntime 1.32.0,
-jax 0.10.2): detr_r50 ours 0.310 s, onnxruntime 0.257 s (ratio 0.83), scores within 2.5e-7;
-dino_r50 ours 1.376 s, onnxruntime 2.232 s (ratio 1.62), scores within 1.1e-5. Conversion
-takes 16 s and 92 s; on this shared machine a busy neighbour moves the figures by up to 2x.
+Measured at the defaults (512x512, batch 1, 2 cores, load average 0.8, onnxruntime 1.32.0,
+jax 0.10.2, 2026-12-07): detr_r50 ours 0.587 s, onnxruntime 0.456 s (ratio 0.78), scores
+within 4.8e-7; dino_r50 ours 2.483 s, onnxruntime 3.130 s (ratio 1.26), scores within 7.6e-5.
+Conversion takes 13.8 s and 91.7 s; on this shared machine a busy neighbour moves the figures by
+up to 2x.
 """
 
 from __future__ import annotations

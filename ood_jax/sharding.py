@@ -228,7 +228,9 @@ def tree_from_host_copy(tree: Any, shardings: Any, *, source: str) -> Any:
 
     With several processes they first compare a digest of `tree`: one exchange through the
     coordination service, where `jax.device_put` would all-gather every array from every process
-    (and compile a program for each) to check that they agree.
+    (and compile a program for each) to check that they agree. The exchange needs a job joined
+    by `multihost.initialize` (every `ood-jax` command's); a program that called
+    `jax.distributed.initialize` itself places the arrays unchecked.
     """
     if jax.process_count() > 1:
         _check_processes_read_the_same(tree, source)
