@@ -8,6 +8,8 @@ docs/reference/data.pipeline.md.
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -502,6 +504,19 @@ def num_eval_batches(builder: tfds.core.DatasetBuilder, split: str, batch_size: 
     return -(-builder.info.splits[split].num_examples // batch_size)
 
 
+# Evaluation reads every split of a build with one per-example function: each `map` of a new
+# Python function traces it again (0.2-0.4 s on 2 cores), once per split and run; 14 splits
+# were built in 5.9 s with a function each, in 1.0 s with one traced once.
+@functools.lru_cache(maxsize=8)
+def _eval_example_fn(builder: tfds.core.DatasetBuilder, config_json: str) -> Any:
+    c = _checked(ml_collections.ConfigDict(json.loads(config_json)))
+
+    def example(record: tf.Tensor) -> dict[str, tf.Tensor]:
+        return _eval_example(_decoded(builder, record), c)
+
+    return tf.function(example, autograph=False)
+
+
 def eval_dataset(
     builder: tfds.core.DatasetBuilder,
     split: str,
@@ -518,14 +533,9 @@ def eval_dataset(
     c = _checked(config)
     first, stop = rows = _checked_rows(rows, c.batch_size)
     instructions, num_examples = _file_instructions(builder, split)
-
-    @_unconverted
-    def example(record: tf.Tensor) -> dict[str, tf.Tensor]:
-        return _eval_example(_decoded(builder, record), c)
-
     records = _read(instructions, tf.range(len(instructions)), cycle=1)
     examples = _keep_rows(records, rows, c.batch_size).map(
-        example,
+        _eval_example_fn(builder, c.to_json(sort_keys=True)),
         num_parallel_calls=tf.data.AUTOTUNE,
         deterministic=True,
     )
