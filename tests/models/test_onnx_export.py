@@ -190,6 +190,16 @@ def test_fixed_batch_replaces_previous_export(exports, tmp_path):
     compare(model, session, *CANVASES, ref)
 
 
+def test_the_converters_own_check_is_back_after_a_conversion(exports):
+    """`convert` answers jax2onnx's per-equation connectivity check from the producer node
+    during a conversion only (the graphs above are that path's test)."""
+    from jax2onnx.converter import output_binding
+
+    exports("detr")
+    check = output_binding._value_is_graph_connected
+    assert check.__module__ == output_binding.__name__, check
+
+
 def test_refuses_a_directory_that_is_no_onnx_export(tmp_path):
     model = build("detr")
     other = tmp_path / "other"
