@@ -30,10 +30,11 @@ common = _bench_common()
 
 pytestmark = pytest.mark.slow
 
-# Measured on 2 shared cores: coco_eval, ap_bootstrap and client_throughput a few seconds
-# each, input_pipeline ~25 s (TensorFlow's import), scorer_throughput ~30 s, paper_scorers
-# ~35 s (four toy towers), dino_step ~55 s and detr_train_step ~75 s (their toy train steps
-# compile the in-graph matching); onnx_inference converts two toy detectors (~20 s).
+# Measured in a fresh-clone suite run on 2 cores: coco_eval, ap_bootstrap and client_throughput
+# a few seconds each, scorer_throughput and paper_scorers (four toy towers) ~30 s,
+# input_pipeline ~35 s (TensorFlow's import), onnx_inference ~55 s (converts two toy
+# detectors), dino_step ~80 s and detr_train_step ~100 s (toy train steps compiled beside
+# PyTorch's peers, whose imports take ~20 s).
 BENCHES = [
     "coco_eval",
     "ap_bootstrap",
