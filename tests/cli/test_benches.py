@@ -33,8 +33,8 @@ pytestmark = pytest.mark.slow
 # Measured in a fresh-clone suite run on 2 cores: coco_eval, ap_bootstrap and client_throughput
 # a few seconds each, scorer_throughput and paper_scorers (four toy towers) ~30 s,
 # input_pipeline ~35 s (TensorFlow's import), onnx_inference ~55 s (converts two toy
-# detectors), dino_step ~80 s and detr_train_step ~100 s (toy train steps compiled beside
-# PyTorch's peers, whose imports take ~20 s).
+# detectors), dino_step ~80 s and detr_train_step ~100 s (toy train steps compiled; importing
+# TensorFlow, torch and timm ~24 s of it).
 BENCHES = [
     "coco_eval",
     "ap_bootstrap",
