@@ -30,6 +30,10 @@ LLVM_O1 = "--xla_backend_optimization_level=1"
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {LLVM_O1}".strip()
 
+# As `ood_jax.__main__` does for the command line: TensorFlow skips importing Keras, 5 s of the
+# import of each worker and of each script a test starts (bench/, `python -c`), on 2 cores.
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

@@ -57,7 +57,6 @@ import optax
 import tensorflow as tf
 import tensorflow_datasets as tfds
 from absl import logging
-from clu import metric_writers, periodic_actions
 from flax import linen as nn
 
 from ood_jax import datasets, files, manifest, multihost, sharding
@@ -66,6 +65,7 @@ from ood_jax.detection import evaluation
 from ood_jax.metrics import coco
 from ood_jax.models import backbones, registry
 from ood_jax.train import checkpoint, config_checks, optim, pretrain, resume, run_manifest
+from ood_jax.train.metric_writer import MetricWriter
 from ood_jax.train import selection
 from ood_jax.train.compiled import CompiledOnFirstCall
 
@@ -590,9 +590,8 @@ def _train_batches(config: ml_collections.ConfigDict, experiment: Experiment, st
     )
 
 
-def _print_step(step: int, total: int, loss: float, steps_run: int, seconds: float) -> None:
+def _print_step(step: int, total: int, loss: float, rate: float) -> None:
     if _is_primary():
-        rate = steps_run / seconds
         print(
             f"step {step}/{total}  loss {loss:.3f}  {rate:.2f} steps/s  "
             f"ETA {(total - step) / rate / 60:.1f} min",
@@ -610,9 +609,7 @@ def _train_and_evaluate(
     if _is_primary():
         files.write_json_atomic(workdir / resume.CONFIG_FILE, meta["config"])
 
-    writer = metric_writers.create_default_writer(
-        str(workdir / "tensorboard"), just_logging=not _is_primary()
-    )
+    writer = MetricWriter(workdir / "tensorboard", enabled=_is_primary())
     batches = _train_batches(config, experiment, start_step)
     splits = eval_splits(config, experiment)
     validation_by_domain = (
@@ -634,9 +631,6 @@ def _train_and_evaluate(
             selection.write_evaluations(workdir, list(evaluations.values()))
 
     step_fn = CompiledOnFirstCall(jit_train_step(config, experiment), "train step")
-    report = periodic_actions.ReportProgress(
-        num_train_steps=config.total_steps, writer=writer, every_steps=config.log_every
-    )
 
     # ----------------------------------------------------------------------------------------
     # Train.
@@ -649,7 +643,6 @@ def _train_and_evaluate(
                 batch, _ = next(batches)
                 state, metrics = step_fn(state, batch, experiment.train_rng)
                 pending.append(metrics)
-                report(step)
 
                 # A checkpoint must never hold a diverged state, so every step since the last log
                 # is checked before each save as well as at each log step.
@@ -660,12 +653,11 @@ def _train_and_evaluate(
                     summary = {k: float(np.mean([m[k] for m in pending])) for k in pending[0]}
                     pending = []
                     summary["learning_rate"] = float(experiment.schedules["transformer"](step))
-                    writer.write_scalars(step, summary)
                     # The compilation in the first step is not the training's speed.
                     elapsed = time.perf_counter() - started - step_fn.compile_seconds
-                    _print_step(
-                        step, config.total_steps, summary["loss"], step - start_step, elapsed
-                    )
+                    summary["steps_per_sec"] = (step - start_step) / elapsed
+                    writer.write_scalars(step, summary)
+                    _print_step(step, config.total_steps, summary["loss"], summary["steps_per_sec"])
 
                 # Before the step's checkpoint: a run resumed from it has its evaluation.
                 if (
@@ -710,7 +702,7 @@ def _train_and_evaluate(
             int(state.step),
             {"eval/iid_AP": results["iid"]["AP"], "eval/ood_AP": results["ood_average"]["AP"]},
         )
-    writer.flush()
+    writer.close()
     ckpt.close()
     return results
 

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-import tensorflow as tf
+from test_train import tensorboard_scalars
 
 from ood_jax import datasets, multihost
 from ood_jax.detection import compare
@@ -104,13 +104,7 @@ def run(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
 
 def logged_losses(workdir: pathlib.Path) -> dict[int, float]:
     """The float32 losses of every logged step, from the run's TensorBoard events."""
-    found = {}
-    for path in sorted((workdir / "tensorboard").glob("events.out.tfevents.*")):
-        for event in tf.compat.v1.train.summary_iterator(str(path)):
-            for value in event.summary.value:
-                if value.tag == "loss":
-                    found[event.step] = float(tf.make_ndarray(value.tensor))
-    return found
+    return tensorboard_scalars(workdir).get("loss", {})
 
 
 def flat(tree) -> dict[str, np.ndarray]:

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.slow
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG_FILE = REPO / "configs" / "synthetic_detr.py"
-TRAINING_STACK = ("optax", "orbax", "tensorflow", "tensorflow_datasets", "clu")
+TRAINING_STACK = ("optax", "orbax", "tensorflow", "tensorflow_datasets", "keras")
 
 
 def smoke_config(data_dir: pathlib.Path) -> ml_collections.ConfigDict:

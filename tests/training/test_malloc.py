@@ -176,7 +176,8 @@ def _users_environ(tunables: str | None) -> dict[str, str]:
     env["JAX_PLATFORMS"] = "cpu"
     # What `__main__` sets for TensorFlow and Python's locale coercion (PEP 538) would add
     # for every Python child: given here, so that any difference is the restart's.
-    env.update(TF_CPP_MIN_LOG_LEVEL="2", TF_ENABLE_ONEDNN_OPTS="0", PYTHONCOERCECLOCALE="0")
+    env.update(TF_CPP_MIN_LOG_LEVEL="2", TF_ENABLE_ONEDNN_OPTS="0", TF_USE_LEGACY_KERAS="1")
+    env["PYTHONCOERCECLOCALE"] = "0"
     if tunables is not None:
         env["GLIBC_TUNABLES"] = tunables
     return env

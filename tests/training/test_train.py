@@ -32,6 +32,7 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import tensorflow as tf
 
 from ood_jax import cli
 from ood_jax import datasets
@@ -126,6 +127,17 @@ def losses(stdout: str) -> dict[int, float]:
     return {int(m[1]): float(m[3]) for m in LOSS_LINE.finditer(stdout)}
 
 
+def tensorboard_scalars(workdir: pathlib.Path) -> dict[str, dict[int, float]]:
+    """Every scalar of the run's TensorBoard events (tag -> step -> float32 value)."""
+    found: dict[str, dict[int, float]] = {}
+    for path in sorted((workdir / "tensorboard").glob("events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            for value in event.summary.value:
+                scalar = float(tf.make_ndarray(value.tensor))
+                found.setdefault(value.tag, {})[event.step] = scalar
+    return found
+
+
 RUN_A_STEPS = 6
 
 
@@ -146,6 +158,7 @@ def run_a(tmp_path_factory, data_dir, compile_cache):
         "png": (workdir / "per_domain_ap.png").read_bytes(),
         "checkpoints": checkpoint_steps(workdir),
         "final_state": load_state(workdir, RUN_A_STEPS),
+        "scalars": tensorboard_scalars(workdir),
     }
 
 
@@ -182,6 +195,16 @@ def test_smoke_run_writes_results(run_a):
     assert sorted(logged) == list(range(1, RUN_A_STEPS + 1))
     assert all(math.isfinite(v) and v > 0 for v in logged.values()), logged
     assert run_a["checkpoints"][-1] == RUN_A_STEPS
+
+    # TensorBoard: each logged step's printed loss, its rate and learning rate; the final AP.
+    scalars = run_a["scalars"]
+    for tag in ("loss", "learning_rate", "steps_per_sec"):
+        assert sorted(scalars[tag]) == list(range(1, RUN_A_STEPS + 1)), tag
+    for step, loss in logged.items():
+        assert scalars["loss"][step] == pytest.approx(loss, abs=5e-4)
+    assert all(v > 0 for v in scalars["steps_per_sec"].values())
+    assert scalars["eval/iid_AP"][RUN_A_STEPS] == pytest.approx(results["iid"]["AP"])
+    assert scalars["eval/ood_AP"][RUN_A_STEPS] == pytest.approx(results["ood_average"]["AP"])
 
 
 def test_cli_main_applies_config_overrides_from_its_argv(tmp_path, data_dir, monkeypatch):
