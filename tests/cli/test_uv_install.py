@@ -26,9 +26,16 @@ def uv_options(conf: pathlib.Path | None, **environ: str) -> list[str]:
         check=True,
     )
     command = shlex.split(done.stdout)
-    assert command[1:6] == ["pip", "install", "-q", "--python", sys.executable]
+    assert command[1:7] == [
+        "pip",
+        "install",
+        "-q",
+        "--compile-bytecode",
+        "--python",
+        sys.executable,
+    ]
     assert command[-2:] == ["-e", "."]
-    return command[6:-2]
+    return command[7:-2]
 
 
 def test_every_source_and_cap_pip_reads_is_passed_on(tmp_path):
