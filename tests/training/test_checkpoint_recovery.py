@@ -30,7 +30,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from ood_jax import cli, datasets
+from ood_jax import cli, datasets, multihost
 from ood_jax.detection import evaluation
 from ood_jax.models import exported
 from ood_jax.train import checkpoint, config_checks, resume, train
@@ -295,16 +295,15 @@ def flat(tree) -> dict[str, bytes]:
 def test_ctrl_c_in_training_saves_the_step_and_a_rerun_continues(
     workdir, data_dir, monkeypatch, capsys
 ):
-    report = train.periodic_actions.ReportProgress
+    preempted = multihost.preempted
 
-    class CtrlCAtStep5(report):
-        def __call__(self, step, **kwargs):
-            if step == 5:
-                raise KeyboardInterrupt
-            return super().__call__(step, **kwargs)
+    def ctrl_c_after_step_5(step: int) -> bool:  # asked once a step, after the step is taken
+        if step == 5:
+            raise KeyboardInterrupt
+        return preempted(step)
 
     command = argv("train", workdir, data_dir, "--config.total_steps=6")
-    monkeypatch.setattr(train.periodic_actions, "ReportProgress", CtrlCAtStep5)
+    monkeypatch.setattr(multihost, "preempted", ctrl_c_after_step_5)
     with pytest.raises(SystemExit) as exit_info:
         cli.main(command)
     assert exit_info.value.code == cli.INTERRUPTED_EXIT_CODE
@@ -315,7 +314,7 @@ def test_ctrl_c_in_training_saves_the_step_and_a_rerun_continues(
     assert "Traceback" not in err
     assert checkpoint_steps(workdir) == [2, 4, 5]  # 3 kept
 
-    monkeypatch.setattr(train.periodic_actions, "ReportProgress", report)
+    monkeypatch.setattr(multihost, "preempted", preempted)
     cli.main(command)
     out = capsys.readouterr().out
     assert "Resumed from step 5" in out
