@@ -28,9 +28,9 @@ $(VENV)/.installed: $(VENV)/.runtime
 demo: $(VENV)/.runtime
 	$(BIN)/ood-jax demo
 
-# Two workers, each taking whole modules (module fixtures are shared by a module's tests): the
-# several-process modules first, one after another on one worker (tests/conftest.py says why),
-# then the others, those with the most tests first.
+# Two workers, each taking whole modules (module fixtures are shared by a module's tests), the
+# modules with the most tests first (xdist's order: measured 34 min against 37 min for the
+# multi-process modules first, which then run side by side).
 PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 test: $(VENV)/.installed

@@ -36,32 +36,6 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
-from xdist.scheduler import LoadFileScheduling  # noqa: E402
-
-
-# Under `--dist loadfile` (make test), the several-process modules (tests/multihost/) go to one
-# worker, one after another, before anything else: each of their jobs takes both cores, so two
-# side by side oversubscribe the machine (their processes then wait on each other's collectives),
-# and left to the end they run on while the other worker has nothing left. Every other module goes as loadfile sends it, those with the most tests first.
-SEVERAL_PROCESS_TESTS = "multihost"
-
-
-class SeveralProcessModulesFirst(LoadFileScheduling):
-    def _split_scope(self, nodeid: str) -> str:
-        module = super()._split_scope(nodeid)
-        in_folder = pathlib.PurePath(module).parent.name == SEVERAL_PROCESS_TESTS
-        return SEVERAL_PROCESS_TESTS if in_folder else module
-
-    def _assign_work_unit(self, node) -> None:
-        if SEVERAL_PROCESS_TESTS in self.workqueue:
-            self.workqueue.move_to_end(SEVERAL_PROCESS_TESTS, last=False)
-        super()._assign_work_unit(node)
-
-
-def pytest_xdist_make_scheduler(config, log):
-    if config.getoption("dist") == "loadfile":
-        return SeveralProcessModulesFirst(config, log)
-    return None
 
 
 # One persistent compilation cache for the whole run, shared by pytest-xdist's workers and the
