@@ -65,9 +65,9 @@ from ood_jax.detection import evaluation
 from ood_jax.metrics import coco
 from ood_jax.models import backbones, registry
 from ood_jax.train import checkpoint, config_checks, optim, pretrain, resume, run_manifest
-from ood_jax.train.metric_writer import MetricWriter
 from ood_jax.train import selection
 from ood_jax.train.compiled import CompiledOnFirstCall
+from ood_jax.train.metric_writer import MetricWriter
 
 
 @flax.struct.dataclass
