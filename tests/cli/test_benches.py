@@ -30,11 +30,9 @@ common = _bench_common()
 
 pytestmark = pytest.mark.slow
 
-# Measured in a fresh-clone suite run on 2 cores: coco_eval, ap_bootstrap and client_throughput
-# a few seconds each, scorer_throughput and paper_scorers (four toy towers) ~30 s,
-# input_pipeline ~35 s (TensorFlow's import), onnx_inference ~55 s (converts two toy
-# detectors), dino_step ~80 s and detr_train_step ~100 s (toy train steps compiled; importing
-# TensorFlow, torch and timm ~24 s of it).
+# Measured in the fresh-clone suite run of 6397ae5 on 2 cores: dino_step ~40 s and
+# detr_train_step ~30 s (toy train steps compiled), onnx_inference ~23 s (converts two toy
+# detectors), paper_scorers ~14 s (four toy towers), each of the others under 11 s.
 BENCHES = [
     "coco_eval",
     "ap_bootstrap",

@@ -121,6 +121,10 @@ def read_state(workdir: pathlib.Path, step: int) -> dict[str, np.ndarray]:
         return flat(checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy)))
 
 
+# The per-detection fields of `coco.Matches`, reordered together.
+DETECTION_FIELDS = ("image", "category", "score", "rank", "out_of_range")
+
+
 def matches_by_detection(workdir: pathlib.Path) -> dict[str, dict[str, np.ndarray]]:
     """Each split's saved matches (matches.npz) with its detections in (category, image, rank)
     order instead of accumulate order (category, descending score, ...): two executables whose
@@ -143,9 +147,6 @@ def matches_by_detection(workdir: pathlib.Path) -> dict[str, dict[str, np.ndarra
             "fp": m.fp[by_candidate],
         }
     return out
-
-
-DETECTION_FIELDS = ("image", "category", "score", "rank", "out_of_range")
 
 
 def checkpoint_steps(workdir: pathlib.Path) -> list[int]:
