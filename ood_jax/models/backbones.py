@@ -32,7 +32,16 @@ FLAT_FIELDS = {
     "backbone_frozen_stages": "frozen_stages",
     "freeze_backbone": "freeze",
     "backbone_stages": "stages",
+    "backbone_last_stage": "last_stage",
 }
+
+
+def last_map(features: Mapping[str, jax.Array]) -> jax.Array:
+    """The map a single-map detector reads: a ViT's "features", else a ResNet's deepest stage
+    (stage4, or stage3 of a C4 trunk)."""
+    if "features" in features:
+        return features["features"]
+    return features[max((k for k in features if k.startswith("stage")), key=lambda k: int(k[5:]))]
 
 
 def nearest_indices(in_size: int, out_size: int) -> np.ndarray:
@@ -58,19 +67,23 @@ def build_backbone(
     name: str | None = None,
     frozen_stages: int = 0,
     remat: bool = False,
+    last_stage: int | None = None,
 ) -> nn.Module:
     """A ResNet (`resnet.ARCHS`) or ViT (`vit.VARIANTS`) by name; a module is used as it is.
-    `remat` recomputes a ResNet's trained blocks in the backward pass (`resnet.ResNet.remat`)."""
+    `remat` recomputes a ResNet's trained blocks in the backward pass (`resnet.ResNet.remat`);
+    `last_stage` ends a ResNet early (`resnet.ResNet.last_stage`)."""
     if isinstance(backbone, (resnet.ResNet, vit.ViT)):
         return backbone
     if backbone in vit.VARIANTS:
-        if frozen_stages:
-            raise ValueError(f"frozen_stages applies to ResNets, not to {backbone!r}")
+        for field, value in (("frozen_stages", frozen_stages), ("last_stage", last_stage)):
+            if value:
+                raise ValueError(f"{field} applies to ResNets, not to {backbone!r}")
         return vit.vit(backbone, dtype=dtype, name=name)
     return resnet.build(
         backbone,
         norm=norm,
         dilation=dilation,
+        last_stage=last_stage,
         frozen_stages=frozen_stages,
         remat=remat,
         dtype=dtype,
@@ -95,6 +108,8 @@ class BackboneConfig:
         costs about a third as much on CPU, which is what lets a small DETR learn in minutes.
       stages: the ResNet stages a multi-scale detector reads; None for a single-map detector
         (DETR reads the last map).
+      last_stage: a ResNet's trunk ends after this stage (None: after stage 4); 3 is a C4
+        backbone, whose stage3 DETR reads.
     """
 
     arch: str | resnet.ResNet | vit.ViT = "resnet50"
@@ -103,6 +118,7 @@ class BackboneConfig:
     frozen_stages: int = 0
     freeze: bool = False
     stages: tuple[str, ...] | None = None
+    last_stage: int | None = None
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any], **defaults: Any) -> BackboneConfig:
@@ -127,6 +143,7 @@ class BackboneConfig:
             name=name,
             frozen_stages=self.frozen_stages,
             remat=remat,
+            last_stage=self.last_stage,
         )
 
 
@@ -145,6 +162,7 @@ class BackboneFields(nn.Module):
       freeze_backbone: `BackboneConfig.freeze`.
       backbone_frozen_stages: `BackboneConfig.frozen_stages`.
       dilation: `BackboneConfig.dilation`.
+      backbone_last_stage: `BackboneConfig.last_stage`.
     """
 
     backbone: str | resnet.ResNet | vit.ViT = _field(BackboneConfig.arch)
@@ -152,6 +170,7 @@ class BackboneFields(nn.Module):
     freeze_backbone: bool = _field(BackboneConfig.freeze)
     backbone_frozen_stages: int = _field(BackboneConfig.frozen_stages)
     dilation: bool = _field(BackboneConfig.dilation)
+    backbone_last_stage: int | None = _field(BackboneConfig.last_stage)
 
     @property
     def backbone_config(self) -> BackboneConfig:
@@ -179,5 +198,5 @@ def load_backbone(model_args: Mapping[str, Any], path: str | pathlib.Path) -> di
     if config.arch in vit.VARIANTS:
         _, variables = convert_vit.vit_from_timm(convert_torch.load_state_dict(path))
         return variables
-    module = build_backbone(config.arch, config.norm, config.dilation)
+    module = build_backbone(config.arch, config.norm, config.dilation, last_stage=config.last_stage)
     return convert_torch.resnet_from_torch(convert_torch.load_state_dict(path), module)

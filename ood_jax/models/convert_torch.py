@@ -320,7 +320,11 @@ def state_dict_template(
 
 def resnet_from_torch(state_dict: Mapping[str, Any], module: resnet.ResNet) -> dict[str, Any]:
     """torchvision/timm ResNet state dict -> variables of `module` (its `norm` decides where
-    BatchNorm tensors go). The classifier `fc` is dropped."""
+    BatchNorm tensors go). The classifier `fc` is dropped, and so are the stages after a
+    trunk's `last_stage`."""
+    if module.last_stage is not None:
+        after_the_trunk = re.compile(rf"layer([{module.last_stage + 1}-9])\.")
+        state_dict = {k: v for k, v in state_dict.items() if not after_the_trunk.match(k)}
     return convert(state_dict, TORCHVISION_RESNET_RULES, abstract_variables(module))
 
 

@@ -254,7 +254,7 @@ class DETR(backbones.BackboneFields):
     ) -> dict[str, Any]:
         backbone = self.backbone_config.build(self.dtype, name="backbone")
         features = backbone(images, train and not self.freeze_backbone)
-        features = features["features"] if "features" in features else features["stage4"]
+        features = backbones.last_map(features)
         if self.freeze_backbone:
             features = jax.lax.stop_gradient(features)
         batch, height, width, _ = features.shape

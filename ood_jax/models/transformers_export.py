@@ -39,6 +39,11 @@ def _backbone(args: Mapping[str, Any], family: str) -> str:
             f"config.model.args.backbone_norm={args['backbone_norm']!r}: transformers' {family} "
             "takes a BatchNorm ResNet"
         )
+    if args.get("backbone_last_stage") not in (None, 4):
+        raise ValueError(
+            f"config.model.args.backbone_last_stage={args['backbone_last_stage']!r}: transformers' "
+            f"{family} runs its ResNet to the last stage"
+        )
     return backbone
 
 

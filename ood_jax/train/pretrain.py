@@ -41,7 +41,7 @@ class DenseClassifier(nn.Module):
     @nn.compact
     def __call__(self, images: jax.Array, train: bool) -> jax.Array:
         features = self.backbone(images, train)
-        features = features["features"] if "features" in features else features["stage4"]
+        features = backbones.last_map(features)
         return nn.Conv(self.num_classes, (1, 1), name="head")(features).astype(jnp.float32)
 
 
@@ -87,6 +87,7 @@ def pretrain_backbone(
         args.get("backbone_norm", "batch"),
         config.pretrain.get("dilation", args.get("dilation", False)),
         name="backbone",
+        last_stage=args.get("backbone_last_stage"),
     )
     model = DenseClassifier(backbone, args.num_classes)
     mesh = sharding.make_mesh(config.mesh)

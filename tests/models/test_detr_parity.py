@@ -275,6 +275,55 @@ def test_resnet_batchnorm_train_mode_matches_torchvision() -> None:
     assert diff < ATOL, diff
 
 
+@pytest.mark.slow
+def test_c4_trunk_is_torchvisions_first_three_stages() -> None:
+    """A trunk ending at stage 3 loads a whole torchvision checkpoint (layer4 is left out) and
+    computes its first three stages; DETR reads that map, at stride 16."""
+    model = _random_torchvision("resnet50")
+    flax_model = resnet.build("resnet50", norm="frozen", last_stage=3)
+    variables = convert.resnet_from_torch(model.state_dict(), flax_model)
+    assert not [k for k in variables["params"] if k.startswith("stage4")]
+
+    images = torch.randn(2, 3, 64, 96, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = _torchvision_stages(model, images)
+    out = jax.jit(flax_model.apply)(variables, _nhwc(images))
+    assert sorted(out) == ["stage1", "stage2", "stage3"]
+    for name, feature in out.items():
+        assert _max_abs(feature, ref[name].permute(0, 2, 3, 1)) < ATOL, name
+
+    module = detr.DETR(
+        num_classes=3,
+        hidden_dim=32,
+        num_heads=4,
+        ffn_dim=64,
+        num_queries=5,
+        num_encoder_layers=1,
+        num_decoder_layers=1,
+        backbone="resnet18",
+        backbone_last_stage=3,
+    )
+    x = jnp.zeros((1, 64, 96, 3))
+    shapes = jax.eval_shape(lambda: module.init(jax.random.key(0), x))
+    assert "stage4_block0" not in shapes["params"]["backbone"]
+    # The input projection reads stage 3's 256 channels.
+    assert shapes["params"]["input_projection"]["kernel"].shape[-2] == 256
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(last_stage=0), "last_stage must be in"),
+        (dict(last_stage=5), "last_stage must be in"),
+        (dict(last_stage=3, dilation=True), "dilation dilates stage 4"),
+        (dict(last_stage=2, frozen_stages=3), "frozen_stages=3 freezes stages after"),
+    ],
+)
+def test_a_trunk_that_cannot_end_there_is_refused(fields, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        resnet.build("resnet18", **fields).init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
+
+
 def test_conversion_names_unused_missing_and_misshapen_keys(tmp_path) -> None:
     state = {k: v.numpy() for k, v in torchvision.models.resnet18().state_dict().items()}
     module = resnet.build("resnet18", norm="frozen")

@@ -142,6 +142,7 @@ def test_deformable_detr_export_loads_in_transformers_and_predicts_as_ours(case,
     [
         ({"backbone": "vit_s16"}, r"backbone='vit_s16'.*cannot be exported"),
         ({"backbone_stages": ("stage2", "stage4")}, r"backbone_stages=.*last stages"),
+        ({"backbone_last_stage": 3}, r"backbone_last_stage=3.*to the last stage"),
         ({"shared_class_head": False}, r"shared_class_head=False.*shares that head"),
         (
             {"two_stage": True, "with_box_refine": False, "shared_box_head": False},
@@ -152,6 +153,11 @@ def test_deformable_detr_export_loads_in_transformers_and_predicts_as_ours(case,
 def test_deformable_detr_export_refuses_what_transformers_cannot_express(args, message):
     with pytest.raises(ValueError, match=message):
         transformers_export.deformable_detr_config({**TINY, **args}, None)
+
+
+def test_a_c4_detr_is_refused():
+    with pytest.raises(ValueError, match=r"backbone_last_stage=3: transformers' DETR runs"):
+        transformers_export.detr_config({**TINY, "backbone_last_stage": 3}, None)
 
 
 def test_a_family_transformers_has_not_is_refused(tmp_path):

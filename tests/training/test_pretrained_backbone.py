@@ -92,6 +92,24 @@ def test_torchvision_weights_replace_the_backbone(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_c4_detector_takes_a_whole_torchvision_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    reference = torchvision.models.resnet18()
+    path = tmp_path / "resnet18.pth"
+    torch.save(reference.state_dict(), path)
+    model_config = _model_config(path)
+    model_config.args["backbone_last_stage"] = 3
+    state, shardings = _state(model_config)
+
+    loaded = train.load_pretrained_backbone(state, model_config.args, path, shardings)
+    assert sorted(k for k in loaded.params["backbone"] if k.startswith("stage4")) == []
+    np.testing.assert_array_equal(
+        loaded.params["backbone"]["stage3_block1"]["conv2"]["kernel"],
+        reference.layer3[1].conv2.weight.detach().numpy().transpose(2, 3, 1, 0),
+    )
+
+
+@pytest.mark.slow
 def test_wrong_architecture_fails_naming_the_file(tmp_path):
     path = tmp_path / "resnet34.pth"
     torch.save(torchvision.models.resnet34().state_dict(), path)
