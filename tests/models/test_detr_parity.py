@@ -34,6 +34,21 @@ _TINY = dict(
 )
 
 
+def _small_detr(**fields) -> detr.DETR:
+    """A DETR of a ResNet-18 and a small transformer, with `fields` changed."""
+    small = dict(
+        num_classes=3,
+        num_queries=4,
+        hidden_dim=32,
+        num_heads=4,
+        num_encoder_layers=1,
+        num_decoder_layers=2,
+        ffn_dim=64,
+        backbone="resnet18",
+    )
+    return detr.DETR(**{**small, **fields})
+
+
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     """Random values of a sensible scale for every floating tensor of `model`."""
     gen = torch.Generator().manual_seed(seed)
@@ -151,16 +166,7 @@ def test_detr_matches_transformers(case: str, tmp_path) -> None:
 
 @pytest.mark.slow
 def test_detr_pixel_mask_and_bfloat16() -> None:
-    module = detr.DETR(
-        num_classes=3,
-        num_queries=5,
-        hidden_dim=32,
-        num_heads=4,
-        num_encoder_layers=1,
-        num_decoder_layers=2,
-        ffn_dim=64,
-        backbone="resnet18",
-    )
+    module = _small_detr(num_queries=5)
     images, pixel_mask = _inputs(64, 96)
     images, pixel_mask = _nhwc(images), jnp.asarray(pixel_mask.numpy())
     variables = random_variables(module, images)
@@ -182,18 +188,7 @@ def test_detr_pixel_mask_and_bfloat16() -> None:
 
 @pytest.mark.slow
 def test_query_groups_train_alone_and_infer_with_the_first() -> None:
-    module = detr.DETR(
-        num_classes=3,
-        num_queries=4,
-        hidden_dim=32,
-        num_heads=4,
-        num_encoder_layers=1,
-        num_decoder_layers=2,
-        ffn_dim=64,
-        dropout=0.0,
-        backbone="resnet18",
-        num_query_groups=3,
-    )
+    module = _small_detr(dropout=0.0, num_query_groups=3)
     images, _ = _inputs(64, 64)
     images = _nhwc(images)
     variables = random_variables(module, images)
@@ -292,17 +287,7 @@ def test_c4_trunk_is_torchvisions_first_three_stages() -> None:
     for name, feature in out.items():
         assert _max_abs(feature, ref[name].permute(0, 2, 3, 1)) < ATOL, name
 
-    module = detr.DETR(
-        num_classes=3,
-        hidden_dim=32,
-        num_heads=4,
-        ffn_dim=64,
-        num_queries=5,
-        num_encoder_layers=1,
-        num_decoder_layers=1,
-        backbone="resnet18",
-        backbone_last_stage=3,
-    )
+    module = _small_detr(backbone_last_stage=3)
     x = jnp.zeros((1, 64, 96, 3))
     shapes = jax.eval_shape(lambda: module.init(jax.random.key(0), x))
     assert "stage4_block0" not in shapes["params"]["backbone"]
