@@ -120,6 +120,14 @@ class BackboneConfig:
     stages: tuple[str, ...] | None = None
     last_stage: int | None = None
 
+    def __post_init__(self):
+        after = [s for s in self.stages or () if self.last_stage and int(s[5:]) > self.last_stage]
+        if after:
+            raise ValueError(
+                f"backbone_stages {self.stages} read {', '.join(after)}, which "
+                f"backbone_last_stage={self.last_stage} leaves out"
+            )
+
     @classmethod
     def from_args(cls, args: Mapping[str, Any], **defaults: Any) -> BackboneConfig:
         """The backbone of flat detector fields (`config.model.args`, or a model's own fields).

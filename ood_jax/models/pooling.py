@@ -1,7 +1,7 @@
 """Max pooling whose gradient XLA:CPU runs fast, for the ResNet stem.
 
 XLA differentiates `lax.reduce_window` max by a windowed reduction over (value, index) pairs,
-which on CPU took a tenth of a ResNet-18 pretraining step (batch 32, 128x128). On CPU the
+which XLA:CPU runs slowly (178 ms for a [32, 64, 64, 64] input, 54 ms here). On CPU the
 gradient here goes to the first maximum of each window in row-major order, as PyTorch's
 `max_pool2d` routes it, by one strided view per window offset; other platforms, and the
 forward pass everywhere, keep XLA's own rules.

@@ -3,9 +3,8 @@
 `ResNet` returns every stage's feature map, so a detector takes the levels it needs, with
 trainable or frozen BatchNorm (`norm`), DETR-DC5's dilated last stage (`dilation`), no
 gradient into the first stages (`frozen_stages`) and a trunk that ends early (`last_stage`: a
-C4 backbone). As in torchvision and timm, a downsampling
-bottleneck strides in its 3x3 convolution, and the projection shortcut exists where the channel
-count or the stride changes.
+C4 backbone). As in torchvision and timm, a downsampling bottleneck strides in its 3x3
+convolution, and the projection shortcut exists where the channel count or the stride changes.
 """
 
 from typing import Any, Callable, ClassVar, Literal

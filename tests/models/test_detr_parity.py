@@ -17,7 +17,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
-from ood_jax.models import convert, detr, resnet  # noqa: E402
+from ood_jax.models import backbones, convert, detr, resnet  # noqa: E402
 from ood_jax.testing.random_variables import random_variables  # noqa: E402
 
 ATOL = 1e-4
@@ -307,6 +307,13 @@ def test_c4_trunk_is_torchvisions_first_three_stages() -> None:
 def test_a_trunk_that_cannot_end_there_is_refused(fields, message) -> None:
     with pytest.raises(ValueError, match=message):
         resnet.build("resnet18", **fields).init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
+
+
+def test_a_neck_reading_a_stage_the_trunk_leaves_out_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"read stage4, which backbone_last_stage=3 leaves out"):
+        backbones.BackboneConfig.from_args(
+            {"backbone_last_stage": 3}, stages=backbones.MULTI_SCALE_STAGES
+        )
 
 
 def test_conversion_names_unused_missing_and_misshapen_keys(tmp_path) -> None:
