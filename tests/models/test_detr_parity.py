@@ -273,7 +273,7 @@ def test_resnet_batchnorm_train_mode_matches_torchvision() -> None:
 @pytest.mark.slow
 def test_c4_trunk_is_torchvisions_first_three_stages() -> None:
     """A trunk ending at stage 3 loads a whole torchvision checkpoint (layer4 is left out) and
-    computes its first three stages; DETR reads that map, at stride 16."""
+    computes its first three stages; a DETR on it has no stage 4 and projects stage 3's map."""
     model = _random_torchvision("resnet50")
     flax_model = resnet.build("resnet50", norm="frozen", last_stage=3)
     variables = convert.resnet_from_torch(model.state_dict(), flax_model)
