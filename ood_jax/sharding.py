@@ -10,9 +10,10 @@ features), `from_host_copy` and `to_host` move it on and off.
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Sequence
 
 import jax
@@ -52,6 +53,41 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
+
+
+def traced_on(mesh: Mesh, fn: Callable) -> Callable:
+    """`fn`, traced with `mesh` declared (as an abstract mesh), so that what it calls can split
+    work over the mesh's axes (`per_batch_shard`) without being handed the mesh."""
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+
+    return traced
+
+
+def per_batch_shard(fn: Callable) -> Callable:
+    """`fn`, a function of arrays whose leading axis is the batch, run by each device on its own
+    rows with no communication, where the trace declares a mesh (`traced_on`) and the batch
+    splits evenly over it; as it is otherwise.
+
+    For work whose length depends on the data, such as the matching's while loops: on the
+    global batch, a loop runs until every device's slowest example is done, and each iteration's
+    exit test is a collective among all devices, a network round trip on several hosts.
+    """
+
+    def local(*args):
+        mesh = jax.sharding.get_abstract_mesh()
+        rows = {x.shape[0] for x in jax.tree.leaves(args)}
+        if mesh.empty or len(rows) != 1 or rows.pop() % mesh.size:
+            return fn(*args)
+        spec = PartitionSpec(mesh.axis_names)
+        # Unchecked: fn's loops start from constants, which the check would want marked
+        # per-device; every output is per-device rows, which out_specs says.
+        return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)(*args)
+
+    return local
 
 
 def path_name(path: Sequence[Any]) -> str:

@@ -21,7 +21,6 @@ from flax import linen as nn
 from ood_jax import boxes as box_lib
 from ood_jax.models import denoising, set_loss
 from ood_jax.models.registry import LossFn
-from ood_jax.models.set_loss import hungarian_match
 
 # Where a query has no box to regress, L1/GIoU are computed against this well-formed box and
 # masked out, so no degenerate geometry reaches the gradient.
@@ -125,9 +124,7 @@ def _matched_losses(
     cost = jax.vmap(functools.partial(focal_matching_cost, config=config))(
         logits, pred_boxes, labels, target_boxes
     )
-    # The assignment is piecewise constant in the cost, and reverse-mode can't go through its
-    # while loops anyway.
-    query_index, matched = jax.vmap(hungarian_match)(jax.lax.stop_gradient(cost), mask)
+    query_index, matched = set_loss.match_batch(cost, mask)
 
     # Unmatched target slots point past the last query, and mode="drop" discards them.
     scatter_to = jnp.where(matched, query_index, num_queries)

@@ -1,10 +1,10 @@
 """DETR's softmax set-prediction loss with in-graph Hungarian matching (Carion et al., 2020).
 
-Every decoder output is matched on its own to the padded targets (`hungarian_match`: optax,
-vmapped, fixed shapes, no host callbacks) and supervised with softmax cross-entropy plus L1 and
+Every decoder output is matched on its own to the padded targets (`match_batch`: optax's
+Hungarian algorithm, fixed shapes, no host callbacks, each device on its own images) and supervised with softmax cross-entropy plus L1 and
 GIoU on the matched pairs, in float32 whatever the model computes in (`float32_outputs`).
 `make_loss_fn` and `config_weights` are what every family's `make_loss` shares; the focal set
-loss (`ood_jax.models.focal_set_loss`) reuses `hungarian_match`.
+loss (`ood_jax.models.focal_set_loss`) reuses `match_batch`.
 """
 
 import dataclasses
@@ -19,6 +19,7 @@ import optax
 from flax import linen as nn
 
 from ood_jax import boxes as box_lib
+from ood_jax import sharding
 from ood_jax.models.registry import LossFn
 
 
@@ -86,6 +87,14 @@ def hungarian_match(cost: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Ar
     return query_index, mask & (query_index < num_queries)
 
 
+def match_batch(cost: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`hungarian_match` of each image: [B, Q, M], [B, M] -> [B, M], [B, M]. Each device
+    matches its own images (`sharding.per_batch_shard`). No gradient flows: the assignment is
+    piecewise constant in the cost, and reverse mode cannot go through its while loops."""
+    batched = sharding.per_batch_shard(jax.vmap(hungarian_match))
+    return batched(jax.lax.stop_gradient(cost), mask)
+
+
 def _level_losses(
     logits: jax.Array,
     pred_boxes: jax.Array,
@@ -99,9 +108,7 @@ def _level_losses(
     cost = jax.vmap(functools.partial(matching_cost, config=config))(
         logits, pred_boxes, labels, target_boxes
     )
-    # The assignment is piecewise constant in the cost, and reverse-mode can't go through its
-    # while loops anyway.
-    query_index, matched = jax.vmap(hungarian_match)(jax.lax.stop_gradient(cost), mask)
+    query_index, matched = match_batch(cost, mask)
 
     num_queries, no_object = logits.shape[1], logits.shape[2] - 1
     # Unmatched slots point past the last query, and mode="drop" discards them.

@@ -221,16 +221,18 @@ def step_compiler_options(
 
 
 def jit_train_step(config: ml_collections.ConfigDict, layout: StepLayout):
-    """`train_step` jitted on the run's shardings, the state's buffers donated; remat made
-    effective on CPU (`step_compiler_options`)."""
+    """`train_step` jitted on the run's shardings, the state's buffers donated, traced on the
+    mesh (each device matches its own images: `set_loss.match_batch`); remat made effective on
+    CPU (`step_compiler_options`)."""
+    step = functools.partial(
+        train_step,
+        loss_fn=registry.family(config.model.name).make_loss(config, layout.model),
+        optimizer=layout.optimizer,
+        ema_decay=config.get("ema_decay", 0.0) or 0.0,
+        ema_warmup=config.get("ema_warmup", True),
+    )
     return jax.jit(
-        functools.partial(
-            train_step,
-            loss_fn=registry.family(config.model.name).make_loss(config, layout.model),
-            optimizer=layout.optimizer,
-            ema_decay=config.get("ema_decay", 0.0) or 0.0,
-            ema_warmup=config.get("ema_warmup", True),
-        ),
+        sharding.traced_on(layout.mesh, step),
         in_shardings=(layout.state_sharding, layout.data_sharding, None),
         out_shardings=(layout.state_sharding, None),
         donate_argnums=(0,),

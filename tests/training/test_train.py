@@ -232,7 +232,7 @@ def test_cli_main_applies_config_overrides_from_its_argv(tmp_path, data_dir, mon
 # the first global batch of the pipeline, and saves the loss, metrics and state before and after.
 ONE_STEP = textwrap.dedent(
     """
-    import importlib.util, json, pathlib, sys
+    import importlib.util, json, pathlib, re, sys
 
     import jax, ml_collections, numpy as np
 
@@ -263,12 +263,21 @@ ONE_STEP = textwrap.dedent(
         batches = sharding.start_global(host, experiment.data_sharding, pipeline.HOST_ONLY_KEYS)
         batch, _ = next(batches)
         assert len(batch["image"].sharding.device_set) == devices
-        step = train.jit_train_step(config, experiment)
+        step = train.jit_train_step(config, experiment).lower(
+            initial, batch, experiment.train_rng
+        ).compile()
         before = flat({"params": initial.params, "model_state": initial.model_state})
         state, metrics = step(initial, batch, experiment.train_rng)
+        # Collectives that XLA put inside a while loop (the matching's, were its loops run on
+        # the global batch): one round trip among all devices per iteration.
+        in_loops = re.findall(
+            r' (?:all-reduce|all-gather|collective-permute|all-to-all)(?:-start)?\(.*'
+            r'op_name="[^"]*/while/', step.as_text()
+        )
         after = flat({"params": state.params, "model_state": state.model_state})
         arrays = {**{"before" + k: v for k, v in before.items()}, **after}
         arrays.update({"metric/" + k: np.asarray(v) for k, v in metrics.items()})
+        arrays["collectives_in_loops"] = np.asarray(len(in_loops))
         np.savez(pathlib.Path(workdir) / name / f"{name}.npz", **arrays)
     """
 )
@@ -304,6 +313,10 @@ def test_one_and_four_devices_take_the_same_step(tmp_path, data_dir, compile_cac
         assert child.returncode == 0, f"{name}:\n{outputs[name][-4000:]}"
     runs = {name: dict(np.load(tmp_path / name / f"{name}.npz")) for name in MESHES}
 
+    # Each device matches its own images (set_loss.match_batch): no loop waits on the others.
+    assert {name: int(run.pop("collectives_in_loops")) for name, run in runs.items()} == {
+        name: 0 for name in MESHES
+    }
     reference = runs.pop("one_device")
     # A BatchNorm that normalized each device's share of the batch on its own would change the
     # loss in the first digits, not the sixth.
