@@ -142,9 +142,18 @@ def _is_primary() -> bool:
 def create_train_state(model, optimizer, rng, image_shape, *, ema: bool = False):
     """Initial state; jitted with out_shardings so it is born sharded. With `ema`, an
     EmaTrainState whose average starts at the initial parameters (as timm's and detrex's do)."""
+    return state_from_variables(init_variables(model, rng, image_shape), optimizer, ema=ema)
+
+
+def init_variables(model, rng, image_shape) -> dict[str, Any]:
+    """The model's initial variables ("params", and "batch_stats" where it has them)."""
     images = jnp.zeros((1, *image_shape), jnp.float32)
     mask = jnp.ones((1, *image_shape[:2]), bool)
-    variables = model.init({"params": rng, "dropout": rng}, images, mask, train=False)
+    return model.init({"params": rng, "dropout": rng}, images, mask, train=False)
+
+
+def state_from_variables(variables: Mapping[str, Any], optimizer, *, ema: bool = False):
+    """The train state that starts at `variables` (see `create_train_state`)."""
     params = variables["params"]
     model_state = {k: v for k, v in variables.items() if k != "params"}
     state = TrainState(
@@ -341,20 +350,14 @@ def build_layout(
     model = registry.build_model(config.model)
     image_shape = _image_shape(config)
     rng = jax.random.key(config.seed)  # shapes only: no value is drawn
-    abstract_params = jax.eval_shape(
-        lambda r: model.init(
-            {"params": r, "dropout": r},
-            jnp.zeros((1, *image_shape)),
-            jnp.ones((1, *image_shape[:2]), bool),
-            train=False,
-        )["params"],
-        rng,
+    # The model is traced once, here; the state's shapes follow from its variables'.
+    variables = jax.eval_shape(
+        functools.partial(init_variables, model, image_shape=image_shape), rng
     )
-    optimizer, schedules = optim.make_optimizer(config.optim, abstract_params, steps_per_epoch)
+    optimizer, schedules = optim.make_optimizer(config.optim, variables["params"], steps_per_epoch)
     ema = config_checks.ema_enabled(config)
     shapes = jax.eval_shape(
-        functools.partial(create_train_state, model, optimizer, image_shape=image_shape, ema=ema),
-        rng,
+        functools.partial(state_from_variables, optimizer=optimizer, ema=ema), variables
     )
     rules = config.partition_rules
     state_sharding = sharding.tree_shardings(TrainState(**_fields(shapes)), mesh, rules)
