@@ -1,8 +1,9 @@
 """DETR's softmax set-prediction loss with in-graph Hungarian matching (Carion et al., 2020).
 
 Every decoder output is matched on its own to the padded targets (`match_batch`: optax's
-Hungarian algorithm, fixed shapes, no host callbacks, each device on its own images) and supervised with softmax cross-entropy plus L1 and
-GIoU on the matched pairs, in float32 whatever the model computes in (`float32_outputs`).
+Hungarian algorithm, fixed shapes, no host callbacks, each device on its own images) and
+supervised with softmax cross-entropy plus L1 and GIoU on the matched pairs, in float32 whatever
+the model computes in (`float32_outputs`).
 `make_loss_fn` and `config_weights` are what every family's `make_loss` shares; the focal set
 loss (`ood_jax.models.focal_set_loss`) reuses `match_batch`.
 """
