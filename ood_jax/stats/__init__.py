@@ -16,7 +16,10 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-from scipy import stats as sps
+
+# scipy loads scipy.stats when first used: the command line imports this module for its flags
+# in every command, and importing scipy.stats takes 0.7 s.
+import scipy
 
 from ood_jax.metrics import bootstrap
 
@@ -103,8 +106,8 @@ def clopper_pearson(k: int, n: int, confidence: float = 0.95) -> tuple[float, fl
     k, n = _check_k_n(k, n)
     alpha = 1.0 - _check_confidence(confidence)
     # Beta quantiles are undefined at a zero shape parameter; the interval ends there are exact.
-    low = 0.0 if k == 0 else float(sps.beta.ppf(alpha / 2, k, n - k + 1))
-    high = 1.0 if k == n else float(sps.beta.ppf(1 - alpha / 2, k + 1, n - k))
+    low = 0.0 if k == 0 else float(scipy.stats.beta.ppf(alpha / 2, k, n - k + 1))
+    high = 1.0 if k == n else float(scipy.stats.beta.ppf(1 - alpha / 2, k + 1, n - k))
     return low, high
 
 
@@ -115,7 +118,7 @@ def clopper_pearson_lower(k: int, n: int, confidence: float = 0.95) -> float:
     """
     k, n = _check_k_n(k, n)
     alpha = 1.0 - _check_confidence(confidence)
-    return 0.0 if k == 0 else float(sps.beta.ppf(alpha, k, n - k + 1))
+    return 0.0 if k == 0 else float(scipy.stats.beta.ppf(alpha, k, n - k + 1))
 
 
 def wilson(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
@@ -127,7 +130,7 @@ def wilson(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
     average over p (Brown, Cai and DasGupta, 2001), so it is usually the shorter of the two.
     """
     k, n = _check_k_n(k, n)
-    z = float(sps.norm.ppf(0.5 + _check_confidence(confidence) / 2))
+    z = float(scipy.stats.norm.ppf(0.5 + _check_confidence(confidence) / 2))
     p, z2 = k / n, z * z
     center = (p + z2 / (2 * n)) / (1 + z2 / n)
     half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
@@ -151,7 +154,7 @@ def beta_posterior_bound(
     a, b = prior
     if not (a > 0 and b > 0):
         raise ValueError(f"prior must be two positive Beta parameters, got {prior!r}")
-    return float(sps.beta.ppf(1.0 - confidence, a + k, b + n - k))
+    return float(scipy.stats.beta.ppf(1.0 - confidence, a + k, b + n - k))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -502,7 +505,7 @@ def mmd2_upper_bound(
     confidence = _check_confidence(confidence)
     if method == "jackknife":
         estimate, std = mmd2_jackknife(x, y, bandwidth, block_size)
-        upper = estimate + float(sps.norm.ppf(confidence)) * std
+        upper = estimate + float(scipy.stats.norm.ppf(confidence)) * std
         return {
             "mmd2": estimate,
             "upper": upper,
@@ -636,7 +639,7 @@ def variance_f_test(
         raise ValueError("y has zero variance; the F ratio is undefined")
     f = float(vx / vy)
     dfn, dfd = len(x) - 1, len(y) - 1
-    upper, lower = float(sps.f.sf(f, dfn, dfd)), float(sps.f.cdf(f, dfn, dfd))
+    upper, lower = float(scipy.stats.f.sf(f, dfn, dfd)), float(scipy.stats.f.cdf(f, dfn, dfd))
     p = {"greater": upper, "less": lower, "two-sided": min(1.0, 2 * min(upper, lower))}
     return f, p[alternative]
 
@@ -646,7 +649,7 @@ def correlation(x: object, y: object) -> dict[str, tuple[float, float]]:
     x, y = _check_vector("x", x, 2), _check_vector("y", y, 2)
     if len(x) != len(y):
         raise ValueError(f"x and y must have the same length, got {len(x)} and {len(y)}")
-    pr, sr = sps.pearsonr(x, y), sps.spearmanr(x, y)
+    pr, sr = scipy.stats.pearsonr(x, y), scipy.stats.spearmanr(x, y)
     return {
         "pearson": (float(pr.statistic), float(pr.pvalue)),
         "spearman": (float(sr.statistic), float(sr.pvalue)),
@@ -695,7 +698,7 @@ def mcnemar_exact(only_a: int, only_b: int) -> float:
     discordant = only_a + only_b
     if discordant == 0:
         return 1.0
-    return min(1.0, 2.0 * float(sps.binom.cdf(min(only_a, only_b), discordant, 0.5)))
+    return min(1.0, 2.0 * float(scipy.stats.binom.cdf(min(only_a, only_b), discordant, 0.5)))
 
 
 # Item indices of the resamples scored at once in paired_bootstrap: [chunk, n] int64 of at most
