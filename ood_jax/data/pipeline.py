@@ -20,6 +20,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from ood_jax import boxes as box_lib
+from ood_jax.data import iteration
 
 Batch = dict[str, np.ndarray]
 
@@ -496,7 +497,7 @@ def train_iterator(
     **kwargs: Any,
 ) -> Iterator[Batch]:
     """`train_dataset` as numpy batches."""
-    return train_dataset(builder, split, config, **kwargs).as_numpy_iterator()
+    return iteration.numpy_iterator(train_dataset(builder, split, config, **kwargs))
 
 
 def num_eval_batches(builder: tfds.core.DatasetBuilder, split: str, batch_size: int) -> int:

@@ -25,7 +25,7 @@ import tensorflow_datasets as tfds
 
 from ood_jax import boxes as box_lib
 from ood_jax import files, progress, sharding
-from ood_jax.data import pipeline
+from ood_jax.data import iteration, pipeline
 from ood_jax.detection import compare
 from ood_jax.metrics import bootstrap, coco
 
@@ -53,7 +53,7 @@ def coco_ground_truth(builder: tfds.core.DatasetBuilder, split: str) -> coco.Gro
         }
     )
     image_ids, columns = [], {"image_id": [], "label": [], "xywh": [], "area": [], "is_crowd": []}
-    for ex in dataset.as_numpy_iterator():
+    for ex in iteration.numpy_iterator(dataset):
         height, width = (int(v) for v in ex["size"])
         image_ids.append(int(ex["id"]))
         columns["image_id"].append(np.full(len(ex["label"]), ex["id"], np.int64))
@@ -127,7 +127,7 @@ def evaluate_split(
     bar = SplitProgress(name, len(ground_truth.image_ids)) if name else None
     image_ids, boxes, scores, labels = [], [], [], []
     batches = sharding.start_global(
-        split.batches.as_numpy_iterator(),
+        iteration.numpy_iterator(split.batches),
         data_sharding,
         host_keys=(*pipeline.HOST_ONLY_KEYS, "valid", "orig_size"),
     )

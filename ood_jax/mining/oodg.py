@@ -19,7 +19,7 @@ import numpy as np
 
 from ood_jax import boxes as box_lib
 from ood_jax import files, prompts
-from ood_jax.data import counts
+from ood_jax.data import counts, iteration
 from ood_jax.metrics import coco
 
 TASKS = ("grounding", "localization", "mapping")
@@ -571,7 +571,7 @@ def _examples(builder, split: str) -> Iterable[dict]:
     dataset = builder.as_dataset(
         split=split, decoders={"image": tfds.decode.SkipDecoding()}, shuffle_files=False
     )
-    return tfds.as_numpy(dataset)
+    return iteration.numpy_iterator(dataset)
 
 
 def write(builder, plan: Plan, out: str | pathlib.Path) -> pathlib.Path:

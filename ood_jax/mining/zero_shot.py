@@ -18,6 +18,7 @@ from ood_jax import files, mining, stats
 from ood_jax.data import building
 from ood_jax.data import corrupted as naming
 from ood_jax.data import corruptions
+from ood_jax.data import iteration
 from ood_jax.metrics import robustness
 from ood_jax.mining import foci
 
@@ -100,7 +101,7 @@ def records(builder, split: str) -> Iterator[dict]:
 
     decoders = {"image": tfds.decode.SkipDecoding()}
     dataset = builder.as_dataset(split=split, shuffle_files=False, decoders=decoders)
-    yield from tfds.as_numpy(dataset)
+    yield from iteration.numpy_iterator(dataset)
 
 
 def _text(value: bytes | str) -> str:

@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from ood_jax import files
-from ood_jax.data import counts
+from ood_jax.data import counts, iteration
 from ood_jax.metrics import bootstrap, coco
 
 PROTOCOLS = {
@@ -116,7 +116,7 @@ def validation_domains(builder: tfds.core.DatasetBuilder, split: str) -> dict[st
         split=split, decoders={"image": tfds.decode.SkipDecoding()}, shuffle_files=False
     )
     ids: dict[str, list[int]] = {}
-    for example in dataset.as_numpy_iterator():
+    for example in iteration.numpy_iterator(dataset):
         for index in np.atleast_1d(example[key]):
             ids.setdefault(names[int(index)], []).append(int(example["image/id"]))
     return {name: np.unique(ids[name]) for name in names if name in ids}

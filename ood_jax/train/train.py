@@ -685,8 +685,8 @@ def _train_and_evaluate(
         except KeyboardInterrupt:
             raise KeyboardInterrupt(resume.keep_on_interrupt(ckpt, state, meta, workdir)) from None
     ckpt.wait()
-    # Released before the final evaluation: torn down at function exit instead, the input
-    # pipeline stalled the end of the run (12 s on a 20-step demo run, 30-50 s on full ones).
+    # The input pipeline's threads stop before the final evaluation, not at function exit (its
+    # teardown runs in the background: data/iteration.py).
     del batches
 
     # ----------------------------------------------------------------------------------------

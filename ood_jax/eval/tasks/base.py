@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 from ood_jax import prompts, stats
+from ood_jax.data import iteration
 from ood_jax.eval import parsing
 from ood_jax.eval.clients import ImageInput, Request
 
@@ -223,7 +224,7 @@ def tfds_records(directory: pathlib.Path, splits: Sequence[str]) -> Iterator[tup
         dataset = builder.as_dataset(
             split=split, shuffle_files=False, decoders={"image": tfds.decode.SkipDecoding()}
         )
-        for record in tfds.as_numpy(dataset):
+        for record in iteration.numpy_iterator(dataset):
             yield split, record
 
 
