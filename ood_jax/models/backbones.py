@@ -21,6 +21,7 @@ from flax import serialization
 
 from ood_jax.models import convert_torch, convert_vit, resnet, vit
 
+RESNET_STAGES = ("stage1", "stage2", "stage3", "stage4")
 # The stages a multi-scale detector (Deformable DETR, DINO) projects by default: C3-C5.
 MULTI_SCALE_STAGES = ("stage2", "stage3", "stage4")
 
@@ -121,6 +122,12 @@ class BackboneConfig:
     last_stage: int | None = None
 
     def __post_init__(self):
+        unknown = [s for s in self.stages or () if s not in RESNET_STAGES]
+        if unknown:
+            raise ValueError(
+                f"backbone_stages {self.stages}: {', '.join(map(repr, unknown))} is no ResNet "
+                f"stage; use names of {', '.join(RESNET_STAGES)}"
+            )
         after = [s for s in self.stages or () if self.last_stage and int(s[5:]) > self.last_stage]
         if after:
             raise ValueError(

@@ -316,6 +316,13 @@ def test_a_neck_reading_a_stage_the_trunk_leaves_out_is_refused() -> None:
         )
 
 
+@pytest.mark.parametrize("stages", [("stage2", "res4"), ("stage", "stage3"), ("stage5",)])
+def test_a_neck_reading_no_resnet_stage_is_refused_by_name(stages) -> None:
+    bad = next(s for s in stages if s not in backbones.RESNET_STAGES)
+    with pytest.raises(ValueError, match=rf"'{bad}' is no ResNet stage; use names of stage1, "):
+        backbones.BackboneConfig.from_args({"backbone_last_stage": 3, "backbone_stages": stages})
+
+
 def test_conversion_names_unused_missing_and_misshapen_keys(tmp_path) -> None:
     state = {k: v.numpy() for k, v in torchvision.models.resnet18().state_dict().items()}
     module = resnet.build("resnet18", norm="frozen")
