@@ -64,6 +64,10 @@ def traced_on(mesh: Mesh, fn: Callable) -> Callable:
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             return fn(*args, **kwargs)
 
+    # The compiled program keeps the function's name (jit_train_step in profiles, dumps and the
+    # compilation cache); a partial has none of its own.
+    inner = fn.func if isinstance(fn, functools.partial) else fn
+    traced.__name__ = traced.__qualname__ = getattr(inner, "__name__", traced.__name__)
     return traced
 
 

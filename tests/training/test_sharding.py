@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -143,3 +145,15 @@ def test_weights_read_by_every_process_are_placed_once_their_digests_agree(monke
     ):
         sharding.tree_from_host_copy(other, replicated, source="w.msgpack")
     assert list(first_read) == ["weights/w.msgpack"]
+
+
+def test_a_function_traced_on_a_mesh_keeps_its_name_and_sees_the_mesh():
+    def train_step(x, scale):
+        assert jax.sharding.get_abstract_mesh().axis_names == ("data",)
+        return x * scale
+
+    mesh = sharding.make_mesh([("data", -1)])
+    step = jax.jit(sharding.traced_on(mesh, functools.partial(train_step, scale=2.0)))
+    lowered = step.lower(jnp.ones(4))
+    assert "jit_train_step" in lowered.as_text().split("\n", 1)[0]
+    assert float(lowered.compile()(jnp.ones(4))[0]) == 2.0
