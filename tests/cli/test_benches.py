@@ -43,6 +43,7 @@ BENCHES = [
     "dino_step",
     "detr_train_step",
     "onnx_inference",
+    "iterator_teardown",
 ]
 
 # The "distance from the limit" each bench adds to its result line (bench/common.py's
