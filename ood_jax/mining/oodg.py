@@ -13,7 +13,7 @@ import io
 import json
 import pathlib
 import string
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -564,7 +564,7 @@ def _png(pixels: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def _examples(builder, split: str) -> Iterable[dict]:
+def _examples(builder, split: str) -> Iterator[dict]:
     """The examples of a split expression, images still encoded."""
     import tensorflow_datasets as tfds
 

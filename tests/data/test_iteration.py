@@ -58,23 +58,18 @@ def test_the_caller_goes_on_while_the_teardown_waits():
     assert held == []
 
 
+class Numbers(Recorded):
+    def __iter__(self):
+        return iter(range(3))
+
+
 class FakeDataset:
-    """A dataset whose iterator is a `Recorded` yielding 0, 1, 2: nothing but the generator
-    must keep it alive."""
+    """A dataset whose iterator yields 0, 1, 2 and says where it was deleted; the dataset keeps
+    only what it says, so nothing but the generator keeps the iterator alive."""
 
-    def __init__(self):
-        self.deleted = threading.Event()
-        self.deleted_on: list[str] = []
-
-    def as_numpy_iterator(self):
-        dataset = self
-
-        class Numbers(Recorded):
-            def __iter__(self):
-                return iter(range(3))
-
+    def as_numpy_iterator(self) -> Numbers:
         numbers = Numbers()
-        numbers.deleted, numbers.deleted_on = dataset.deleted, dataset.deleted_on
+        self.deleted, self.deleted_on = numbers.deleted, numbers.deleted_on
         return numbers
 
 
