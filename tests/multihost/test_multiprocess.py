@@ -43,7 +43,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = f"--config={REPO / 'configs' / 'synthetic_detr.py'}:smoke"
 STEPS = 4
 LOSS_LINE = re.compile(r"^step (\d+)/(\d+)\s+loss (\S+)", re.MULTILINE)
-CACHE_WRITERS = pathlib.Path(__file__).parent / "cache_writers"
+SHARED_COMPILES = pathlib.Path(__file__).parent / "shared_compiles"
 HANG_GUARD_S = 600  # a wedged job fails the test instead of stalling the suite
 
 
@@ -56,10 +56,11 @@ def data_dir(tmp_path_factory):
 
 def environ(devices: int | None = None) -> dict[str, str]:
     """This process's environment (the compile_cache fixture's cache included) for a job's
-    processes; each of them, not only process 0, writes to the cache (cache_writers/)."""
+    processes, which compile each program once, in process 0 (shared_compiles/)."""
     env = dict(os.environ)
-    paths = [str(REPO), str(CACHE_WRITERS), env.get("PYTHONPATH")]
+    paths = [str(REPO), str(SHARED_COMPILES), env.get("PYTHONPATH")]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
+    env["JAX_SHARE_BINARY_BETWEEN_HOSTS"] = "true"
     for name in (multihost.NUM_PROCESSES_ENV, multihost.PROCESS_ID_ENV):
         env.pop(name, None)
     if devices is not None:
