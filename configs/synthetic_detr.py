@@ -1,7 +1,8 @@
 """DETR on synthetic_shifts: the O(OD)^2 protocol on the embedded synthetic stand-in for COUNTS.
 
 Trains on the 8 domains that are not the paper's targets and tests in-domain and on each of
-sky, occlusion, grass, water, dim and handmade. All data is synthetic.
+sky, occlusion, grass, water, dim and handmade (the smoke variant holds out sky and handmade
+only). All data is synthetic.
 
   ood-jax train --config=configs/synthetic_detr.py --workdir=/tmp/synthetic_detr
   ood-jax train --config=configs/synthetic_detr.py:smoke --workdir=/tmp/smoke   # ~1 minute
@@ -12,6 +13,8 @@ Variants (`:arg`): (none) the demo run; `smoke` a few dozen steps on the tiny bu
 import ml_collections
 
 from ood_jax.data import counts
+
+SMOKE_TARGET_DOMAINS = ("sky", "handmade")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -28,7 +31,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.dataset.name = "synthetic_shifts/tiny" if smoke else "synthetic_shifts/demo"
     config.dataset.data_dir = "~/tensorflow_datasets"
     config.dataset.build_if_missing = True
-    config.dataset.target_domains = counts.PAPER_TARGET_DOMAINS
+    # The smoke run holds out two of the paper's six (a context and a style shift): each held-out
+    # domain is an evaluation split of its own, and tests evaluate smoke runs by the dozen.
+    config.dataset.target_domains = SMOKE_TARGET_DOMAINS if smoke else counts.PAPER_TARGET_DOMAINS
     config.dataset.train_split = "train"
     config.dataset.test_split = "test"
 
