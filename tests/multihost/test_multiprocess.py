@@ -251,13 +251,14 @@ def test_one_process_of_four_devices_trains_on_the_same_examples(
     run([*command, "--config.total_steps=3"], environ(devices=4))
     one, two = logged_losses(workdir), two_by_two["losses"]
     assert sorted(one) == [1, 2, 3]
-    # The same examples give the same losses but for the float32 rounding of cross-device sums
-    # (in-process vs. collectives between processes), which Adam's first steps amplify (3e-5
-    # by step 3, 1e-3 by step 6, 1e-2 by step 20 measured); data of other examples would
-    # change the first loss in the second digit.
-    for step in (1, 2):
-        np.testing.assert_allclose(one[step], two[step], rtol=2e-6, err_msg=f"step {step}")
-    np.testing.assert_allclose(one[3], two[3], rtol=5e-4, err_msg="step 3")
+    # The same examples give the same first loss but for the float32 rounding of cross-device
+    # sums (in-process vs. collectives between processes). Adam's first updates amplify that
+    # rounding where gradients are near zero (5e-6 by step 2 and 3e-5 by step 3 measured, 1e-3
+    # by step 6, 1e-2 by step 20); data of other examples would change a loss in the second
+    # digit.
+    np.testing.assert_allclose(one[1], two[1], rtol=2e-6, err_msg="step 1")
+    for step in (2, 3):
+        np.testing.assert_allclose(one[step], two[step], rtol=5e-4, err_msg=f"step {step}")
 
 
 # ------------------------------------------------------------------------------------------------
