@@ -29,6 +29,18 @@ def _cpu(who: int) -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _directory() -> pathlib.Path:
+    return pathlib.Path(os.environ.get(DIR_ENV, "cpu_per_test"))
+
+
+def pytest_configure(config):
+    """An earlier run's records would be summed with this run's: the controlling process (not an
+    xdist worker, which starts after it) removes them before any test runs."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        for path in _directory().glob("*.jsonl"):
+            path.unlink()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     own, children, wall = _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN), time.time()
@@ -39,7 +51,7 @@ def pytest_runtest_protocol(item, nextitem):
         "own": _cpu(resource.RUSAGE_SELF) - own,
         "children": _cpu(resource.RUSAGE_CHILDREN) - children,
     }
-    directory = pathlib.Path(os.environ.get(DIR_ENV, "cpu_per_test"))
+    directory = _directory()
     directory.mkdir(parents=True, exist_ok=True)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     with open(directory / f"{worker}.jsonl", "a") as f:
@@ -47,7 +59,13 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def summarize(directory: pathlib.Path, top: int = 30) -> None:
-    records = [json.loads(line) for path in directory.glob("*.jsonl") for line in open(path)]
+    records = []
+    for path in sorted(directory.glob("*.jsonl")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:  # a worker killed while writing
+                raise SystemExit(f"{path}:{number}: not a record ({e})") from None
     if not records:
         raise SystemExit(f"{directory}: no records (was the plugin loaded with -p cpu_per_test?)")
     modules: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0.0])

@@ -10,7 +10,8 @@ every program again on the same two cores. Here the key hashes the devices' kind
 global device assignment is hashed with the compile options), which every process sees alike;
 process 0's executable runs in process 1 as it is (one SPMD program, devices bound at load). Put on PYTHONPATH by the
 multi-process tests only; it replaces a private JAX function once `jax._src.cache_key` is
-imported, and leaves JAX as it is if that function is not there.
+imported, and stops the process if that function is not there (process 1 would otherwise wait
+for process 0's program until the sharing's 20-minute timeout).
 """
 
 import importlib.abc
@@ -22,7 +23,10 @@ def _hash_cpu_devices_alike(cache_key) -> None:
     hash_topology = getattr(cache_key, "_hash_accelerator_config", None)
     hash_devices = getattr(cache_key, "_hash_devices", None)
     if hash_topology is None or hash_devices is None:
-        return
+        raise ImportError(
+            "tests/multihost/shared_compiles: this JAX's cache_key has no _hash_accelerator_config"
+            " or _hash_devices; update sitecustomize.py for it"
+        )
 
     def hash_accelerator_config(hash_obj, accelerators):
         if all(device.platform == "cpu" for device in accelerators.flat):
